@@ -1,0 +1,104 @@
+"""The contract between a worker service and whatever generates tokens.
+
+Implemented by the real engine (``libs.engine.async_engine.AsyncEngineBackend``) and by the fake
+backend (``libs.fake_engine.FakeBackend``, load tests only). The worker calls ``prepare`` on its
+own event loop (cheap validation + tokenization), then iterates ``generate``; it calls ``abort``
+on cancel. ``load`` is read for every beat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from libs.protocol import (
+    ChatMessage,
+    ErrorCode,
+    FinishReason,
+    LogprobEntry,
+    Priority,
+    SamplingParams,
+)
+
+
+class BackendError(Exception):
+    """A request the backend refuses; ``code`` is an ``ErrorMessage`` code."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    """A request's prompt as the backend will run it."""
+
+    token_ids: list[int]
+    # Prompt text is kept only for the fake backend's length model; never logged.
+    text: str = ""
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """New output of one choice since the last chunk. Yielded by ``Backend.generate``."""
+
+    index: int  # choice index, 0..n-1
+    text: str  # new detokenized text (never half a UTF-8 character)
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[LogprobEntry] | None = None
+    # Set on every chunk; the worker reports the last values it saw.
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class LoadInfo:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    capacity: int = 0  # max running sequences
+    block_size: int = 16
+    # Chain hashes stored/evicted since the last call (drained by the worker into KvEvents).
+    stored_hashes: list[int] = field(default_factory=list)
+    evicted_hashes: list[int] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def prepare(
+        self,
+        *,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        messages: list[ChatMessage] | None,
+        sampling: SamplingParams,
+    ) -> PreparedPrompt:
+        """Apply the chat template / tokenize and validate. Raises BackendError
+        (``context_length_exceeded`` when prompt + max_tokens exceed the model's context,
+        ``invalid_request`` for bad token ids)."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        sampling: SamplingParams,
+        priority: Priority,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks until every choice has a finish_reason. Closing the iterator early
+        aborts the request and frees its blocks."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> LoadInfo: ...

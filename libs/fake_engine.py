@@ -1,0 +1,205 @@
+"""FAKE backend for load tests of routing and streaming. Never a default; never model results.
+
+It produces deterministic pseudo-words on a timing model (``FakeEngineSettings``): a prompt costs
+``per_prompt_token_s`` per uncached prompt token before the first token, and each output token
+costs ``per_token_s``. Tokens are whitespace-separated words hashed to ids, so prefix overlap and
+KV events behave like a real worker's at block granularity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
+from libs.protocol import ChatMessage, Priority, SamplingParams
+from libs.settings import FakeEngineSettings
+
+FAKE_VOCAB = 50_000
+_WORDS = (
+    "the a river runs under bridges of light while quiet engines hum and tokens flow "
+    "through narrow straits toward open water where ships wait for morning tides"
+).split()
+
+
+def _word_id(word: str) -> int:
+    return (
+        int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little")
+        % FAKE_VOCAB
+    )
+
+
+def fake_prompt_text(prompt: str | None, messages: list[ChatMessage] | None) -> str:
+    """The text the fake backend runs: the prompt, or ``role: content`` lines of the messages."""
+    if prompt is not None:
+        return prompt
+    return "\n".join(f"{m.role}: {m.content}" for m in messages or [])
+
+
+def fake_token_ids(text: str) -> list[int]:
+    """The fake tokenizer: one id per whitespace-separated word (the router hashes the same)."""
+    return [_word_id(w) for w in text.split()] or [0]
+
+
+def _block_hash(parent: int, ids: list[int], model: str) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little", signed=True))
+    h.update(model.encode())
+    h.update(b"".join(i.to_bytes(4, "little") for i in ids))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+class FakeBackend:
+    """Implements ``libs.backend.Backend`` with sleeps instead of a model."""
+
+    def __init__(
+        self,
+        settings: FakeEngineSettings,
+        model_name: str = "fake",
+        block_size: int = 16,
+        capacity: int = 64,
+        cache_blocks: int = 4096,
+    ) -> None:
+        self.settings = settings
+        self.model_name = model_name
+        self.max_model_len = settings.max_model_len
+        self.block_size = block_size
+        self.capacity = capacity
+        self._running: dict[str, int] = {}
+        self._slots = asyncio.Semaphore(capacity)
+        self._waiting = 0
+        # Prefix cache of block hashes (LRU), so cached prompts are cheaper like a real worker's.
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        self._cache_blocks = cache_blocks
+        self._stored: list[int] = []
+        self._evicted: list[int] = []
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def prepare(
+        self,
+        *,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        messages: list[ChatMessage] | None,
+        sampling: SamplingParams,
+    ) -> PreparedPrompt:
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            text = ""
+        else:
+            text = fake_prompt_text(prompt, messages)
+            ids = fake_token_ids(text)
+        if any(i < 0 or i >= FAKE_VOCAB for i in ids):
+            raise BackendError("invalid_request", "prompt token id out of range", "prompt")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise BackendError(
+                "context_length_exceeded",
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"model's context ({self.max_model_len} tokens)",
+                "messages" if messages is not None else "prompt",
+            )
+        return PreparedPrompt(token_ids=ids, text=text)
+
+    def block_hashes(self, ids: list[int]) -> list[int]:
+        out, parent = [], 0
+        for start in range(0, len(ids) - self.block_size + 1, self.block_size):
+            parent = _block_hash(parent, ids[start : start + self.block_size], self.model_name)
+            out.append(parent)
+        return out
+
+    def _touch_prefix(self, ids: list[int]) -> int:
+        """Cache the prompt's full blocks; returns how many prompt tokens were already cached."""
+        cached, hit = 0, True
+        for h in self.block_hashes(ids):
+            if hit and h in self._cache:
+                cached += self.block_size
+                self._cache.move_to_end(h)
+                continue
+            hit = False
+            if h not in self._cache:
+                self._cache[h] = None
+                self._stored.append(h)
+                if len(self._cache) > self._cache_blocks:
+                    old, _ = self._cache.popitem(last=False)
+                    self._evicted.append(old)
+        return cached
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        sampling: SamplingParams,
+        priority: Priority,
+    ) -> AsyncIterator[GenerationChunk]:
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        self._running[request_id] = len(prompt.token_ids)
+        try:
+            n_prompt = len(prompt.token_ids)
+            cached = self._touch_prefix(prompt.token_ids)
+            await asyncio.sleep((n_prompt - cached) * self.settings.per_prompt_token_s)
+            rngs = [random.Random(f"{sampling.seed}:{i}:{n_prompt}") for i in range(sampling.n)]
+            done = [False] * sampling.n
+            for step in range(sampling.max_tokens):
+                if request_id in self._aborted:
+                    return
+                if step:
+                    await asyncio.sleep(self.settings.per_token_s)
+                for i, rng in enumerate(rngs):
+                    if done[i]:
+                        continue
+                    word = rng.choice(_WORDS)
+                    text = word if step == 0 else " " + word
+                    last = step == sampling.max_tokens - 1
+                    stop_hit = any(s and s in text for s in sampling.stop)
+                    if stop_hit:
+                        done[i] = True
+                        yield GenerationChunk(i, "", [], "stop", None, n_prompt, cached)
+                        continue
+                    done[i] = last
+                    yield GenerationChunk(
+                        i,
+                        text,
+                        [_word_id(word)],
+                        "length" if last else None,
+                        None,
+                        n_prompt,
+                        cached,
+                    )
+                if all(done):
+                    return
+        finally:
+            self._running.pop(request_id, None)
+            self._aborted.discard(request_id)
+            self._slots.release()
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    def load(self) -> LoadInfo:
+        stored, evicted = self._stored, self._evicted
+        self._stored, self._evicted = [], []
+        used = len(self._cache)
+        return LoadInfo(
+            running=len(self._running),
+            waiting=self._waiting,
+            kv_blocks_used=used,
+            kv_blocks_free=max(self._cache_blocks - used, 0),
+            capacity=self.capacity,
+            block_size=self.block_size,
+            stored_hashes=stored,
+            evicted_hashes=evicted,
+        )

@@ -1,0 +1,273 @@
+"""NATS helpers shared by every service and the client library.
+
+- ``connect``: a connection that reconnects forever and logs each state change.
+- ``provision``: idempotent JetStream streams and consumers (create, or update to match).
+- ``publish_msg`` / ``request_msg``: typed messages with W3C trace context in headers.
+- ``StreamReader``: the request → many-replies pattern: subscribe to a reply subject *before*
+  publishing, then iterate the typed stream messages in ``seq`` order, dropping duplicates and
+  reporting gaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from libs.log import fields
+from libs.protocol import (
+    ErrorMessage,
+    Finished,
+    StreamMessage,
+    Subjects,
+    decode_stream,
+    encode,
+)
+from libs.settings import NatsSettings
+from libs.telemetry import inject_headers
+
+log = logging.getLogger("strait.nats")
+
+
+async def connect(settings: NatsSettings, name: str) -> NATS:
+    """Connect to ``settings.url``; retries the first connect a few times, then forever on loss."""
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected", extra=fields(client=name))
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected", extra=fields(client=name))
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats error", extra=fields(client=name, error=repr(e)))
+
+    async def on_closed() -> None:
+        log.info("nats connection closed", extra=fields(client=name))
+
+    return await nats.connect(
+        servers=[settings.url],
+        name=name,
+        connect_timeout=settings.connect_timeout_s,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        closed_cb=on_closed,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create ``config.name`` or update it in place; safe to call from every replica."""
+    try:
+        await js.add_stream(config=config)
+    except BadRequestError:
+        await js.update_stream(config=config)
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    try:
+        await js.add_consumer(stream, config=config)
+    except BadRequestError:
+        # Exists with another config: delete and re-create only if the filter changed.
+        assert config.durable_name is not None
+        try:
+            info = await js.consumer_info(stream, config.durable_name)
+        except NotFoundError:
+            raise
+        if info.config.filter_subject != config.filter_subject:
+            await js.delete_consumer(stream, config.durable_name)
+            await js.add_consumer(stream, config=config)
+
+
+def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
+    """The JetStream streams Strait uses, with their limits."""
+    subjects = Subjects(settings.subject_prefix)
+    return [
+        StreamConfig(
+            name=settings.requests_stream,
+            subjects=[subjects.requests],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=settings.request_max_age_s,
+            max_msg_size=settings.max_payload,
+        ),
+        StreamConfig(
+            name=settings.events_stream,
+            subjects=[subjects.events_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.events_max_age_s,
+        ),
+    ]
+
+
+async def provision(js: JetStreamContext, settings: NatsSettings) -> None:
+    for cfg in stream_configs(settings):
+        await ensure_stream(js, cfg)
+
+
+def work_queue_consumer(durable: str, filter_subject: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        filter_subject=filter_subject,
+        deliver_policy=DeliverPolicy.ALL,
+    )
+
+
+async def publish_msg(
+    nc: NATS,
+    subject: str,
+    msg: msgspec.Struct,
+    reply: str = "",
+    headers: dict[str, str] | None = None,
+) -> None:
+    await nc.publish(subject, encode(msg), reply=reply, headers=inject_headers(headers))
+
+
+async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: float) -> Msg:
+    return await nc.request(subject, encode(msg), timeout=timeout, headers=inject_headers())
+
+
+class StreamGap(Exception):
+    """A stream message never arrived (``expected`` seq) before the stream's end."""
+
+    def __init__(self, expected: int, got: int) -> None:
+        super().__init__(f"stream gap: expected seq {expected}, got {got}")
+        self.expected = expected
+        self.got = got
+
+
+@dataclass
+class StreamStats:
+    duplicates: int = 0
+    reordered: int = 0
+
+
+class StreamReader:
+    """Reads one request's stream subject. Use as an async context manager *around* publishing.
+
+    ``messages()`` yields typed stream messages in ``seq`` order (starting at 1); duplicates are
+    dropped, out-of-order messages are held until the gap fills; it ends after ``Finished`` or
+    ``ErrorMessage``. Raises ``TimeoutError`` on silence and ``StreamGap`` when the terminal
+    message arrives while an earlier seq is still missing.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        subject: str,
+        first_timeout_s: float,
+        idle_timeout_s: float,
+        max_pending: int = 4096,
+    ) -> None:
+        self._nc = nc
+        self.subject = subject
+        self._first_timeout = first_timeout_s
+        self._idle_timeout = idle_timeout_s
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=max_pending)
+        self._sub: Subscription | None = None
+        self.stats = StreamStats()
+        self.overflowed = False
+
+    async def __aenter__(self) -> StreamReader:
+        async def on_msg(msg: Msg) -> None:
+            try:
+                self._queue.put_nowait(msg.data)
+            except asyncio.QueueFull:
+                # A dropped message is a gap: report it once and fail the read, never truncate.
+                if not self.overflowed:
+                    log.warning("stream reader queue full", extra=fields(subject=self.subject))
+                self.overflowed = True
+
+        self._sub = await self._nc.subscribe(self.subject, cb=on_msg)
+        # Make sure the server knows the subscription before anyone publishes to it.
+        await self._nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+
+    async def messages(self) -> AsyncIterator[StreamMessage]:
+        expected = 1
+        held: dict[int, StreamMessage] = {}
+        timeout = self._first_timeout
+        while True:
+            if self.overflowed:
+                raise StreamGap(expected, -1)
+            data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+            timeout = self._idle_timeout
+            try:
+                msg = decode_stream(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("bad stream message", extra=fields(subject=self.subject, error=str(e)))
+                continue
+            if msg.seq < expected or msg.seq in held:
+                self.stats.duplicates += 1
+                continue
+            if msg.seq > expected:
+                self.stats.reordered += 1
+                held[msg.seq] = msg
+                if isinstance(msg, Finished | ErrorMessage):
+                    # The end is here but an earlier message is missing: wait briefly for it.
+                    try:
+                        async with asyncio.timeout(self._idle_timeout):
+                            while expected not in held:
+                                more = decode_stream(await self._queue.get())
+                                if more.seq >= expected and more.seq not in held:
+                                    held[more.seq] = more
+                    except TimeoutError:
+                        raise StreamGap(expected, msg.seq) from None
+                else:
+                    continue
+            else:
+                held[msg.seq] = msg
+            while expected in held:
+                ready = held.pop(expected)
+                expected += 1
+                yield ready
+                if isinstance(ready, Finished | ErrorMessage):
+                    return
+
+
+class StreamWriter:
+    """Publishes one request's stream messages with consecutive ``seq`` numbers."""
+
+    def __init__(self, nc: NATS, subject: str, request_id: str) -> None:
+        self._nc = nc
+        self.subject = subject
+        self.request_id = request_id
+        self._seq = 0
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        await self._nc.publish(self.subject, encode(msg))

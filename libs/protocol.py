@@ -1,0 +1,462 @@
+"""The wire protocol: every message type that crosses a process boundary, and every subject.
+
+Messages are ``msgspec.Struct``s encoded as JSON. Each top-level message carries ``v`` (the
+protocol version); a receiver rejects versions it does not know with a typed ``ErrorMessage``
+(``code="unsupported_version"``). Subjects are built from one prefix (settings.nats.subject_prefix,
+default ``strait.v1``) by :class:`Subjects`; nothing else in the code base spells a subject.
+
+Data flow (see docs/architecture.md):
+
+    gateway/client --GenerateRequest--> JetStream <prefix>.requests  (stream STRAIT_REQUESTS)
+    router --Assignment (request/reply)--> <prefix>.work.<worker_id>  --AssignmentAck-->
+    worker --TokenDelta/Finished/ErrorMessage--> <prefix>.stream.<request_id>   (core NATS)
+    anyone --CancelRequest--> <prefix>.cancel.<request_id>
+    worker --WorkerBeat--> <prefix>.workers.<pool>.<role>.<worker_id>
+    worker --KvEvent--> <prefix>.kv_events.<worker_id>
+    services --UsageEvent/RouteDecision--> JetStream <prefix>.events.<kind>  (stream STRAIT_EVENTS)
+    any service --DeadLetter--> <prefix>.deadletter   (malformed input with no reply subject)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+T = TypeVar("T")
+
+Priority = Literal["interactive", "batch"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Struct(msgspec.Struct, forbid_unknown_fields=False):
+    """Base for wire types: unknown fields are ignored (forward compatible within a version)."""
+
+
+# ---------------------------------------------------------------- requests
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+
+
+class SamplingParams(Struct):
+    """What the engine needs to sample one request. Defaults match the OpenAI API's."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    seed: int | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    # Number of top alternatives to return per token; None: no log-probabilities.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerateRequest(Struct, kw_only=True):
+    """Published by the gateway or an internal client on ``Subjects.requests``.
+
+    Exactly one of ``prompt``, ``prompt_token_ids`` or ``messages`` is set. ``reply_subject``
+    is where the worker streams; the publisher subscribes to it *before* publishing.
+    """
+
+    v: int = PROTOCOL_VERSION
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    model: str = "auto"  # a pool name, a model name, or "auto"
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: Priority = "interactive"
+    reply_subject: str = ""  # empty: Subjects.stream(request_id)
+    api_key_id: str | None = None
+    user: str | None = None
+    created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
+    # Extra stream messages: echo the chosen route before the first token.
+    want_route: bool = False
+
+
+class RouteReason(Struct):
+    """Why the router put a request where it did; lands in ledger, trace and metrics."""
+
+    pool: str
+    worker_id: str
+    code: str  # e.g. "explicit_pool", "explicit_model", "auto_small", "auto_large", "spill_over"
+    score: float | None = None  # difficulty score when classified
+    factors: list[str] = msgspec.field(default_factory=list)
+    overlap_blocks: int = 0
+    cost: float | None = None
+
+
+class Assignment(Struct, kw_only=True):
+    """Router → worker on ``Subjects.work(worker_id)`` (request/reply; reply is AssignmentAck)."""
+
+    v: int = PROTOCOL_VERSION
+    request: GenerateRequest
+    route: RouteReason
+    attempt: int = 1
+    queued_s: float = 0.0  # time between publish and the router's decision
+
+
+class AssignmentAck(Struct):
+    v: int = PROTOCOL_VERSION
+    accepted: bool = True
+    reason: str = ""
+
+
+class CancelRequest(Struct):
+    """Anyone → ``Subjects.cancel(request_id)``. Workers free the request's blocks."""
+
+    v: int = PROTOCOL_VERSION
+    request_id: str = ""
+    reason: str = "client_disconnected"
+
+
+# ---------------------------------------------------------------- stream messages
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    token_id: int
+
+
+class LogprobEntry(Struct):
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob] = msgspec.field(default_factory=list)
+
+
+class Usage(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(Struct):
+    queued_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+
+
+class Routed(Struct, tag="routed"):
+    """Optional first stream message: where the request landed."""
+
+    seq: int
+    request_id: str
+    route: RouteReason
+    v: int = PROTOCOL_VERSION
+
+
+class TokenDelta(Struct, tag="delta"):
+    """New text of one choice. ``finish_reason`` is set on the last delta of that choice."""
+
+    seq: int
+    request_id: str
+    index: int = 0  # choice index (n > 1)
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: FinishReason | None = None
+    v: int = PROTOCOL_VERSION
+
+
+class Finished(Struct, tag="finished"):
+    """Last message of a successful request, after every choice has finished."""
+
+    seq: int
+    request_id: str
+    usage: Usage
+    model: str = ""
+    pool: str = ""
+    worker_id: str = ""
+    timings: Timings = msgspec.field(default_factory=Timings)
+    v: int = PROTOCOL_VERSION
+
+
+ErrorCode = Literal[
+    "invalid_request",
+    "unsupported_version",
+    "context_length_exceeded",
+    "model_not_found",
+    "no_capacity",
+    "no_worker",
+    "rate_limited",
+    "cancelled",
+    "timeout",
+    "internal_error",
+    "worker_lost",
+]
+
+# The HTTP status each typed error maps to at the gateway.
+ERROR_HTTP_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "unsupported_version": 400,
+    "context_length_exceeded": 413,
+    "model_not_found": 404,
+    "no_capacity": 503,
+    "no_worker": 503,
+    "rate_limited": 429,
+    "cancelled": 499,
+    "timeout": 504,
+    "internal_error": 500,
+    "worker_lost": 503,
+}
+
+
+class ErrorMessage(Struct, tag="error"):
+    """Last message of a failed request (or the reply to a malformed one)."""
+
+    seq: int
+    request_id: str
+    code: ErrorCode
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+    v: int = PROTOCOL_VERSION
+
+
+StreamMessage = Routed | TokenDelta | Finished | ErrorMessage
+
+
+# ---------------------------------------------------------------- fleet state
+
+
+class WorkerBeat(Struct, kw_only=True):
+    """Every worker, every ``worker.beat_interval_s``, on ``Subjects.beat(pool, role, id)``."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    pool: str
+    role: str
+    model: str
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    capacity: int = 0  # max running sequences
+    block_size: int = 16
+    max_model_len: int = 0
+    ts: float = msgspec.field(default_factory=time.time)
+    draining: bool = False
+
+
+class KvEvent(Struct, kw_only=True):
+    """Blocks a worker stored into or evicted from its prefix cache (chain hashes)."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    model: str
+    stored: list[int] = msgspec.field(default_factory=list)
+    evicted: list[int] = msgspec.field(default_factory=list)
+    cleared: bool = False
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------- events (JetStream)
+
+
+class UsageEvent(Struct, kw_only=True):
+    """One per request, at its end; the ledger upserts by ``request_id``."""
+
+    v: int = PROTOCOL_VERSION
+    request_id: str
+    api_key_id: str | None = None
+    pool: str = ""
+    model: str = ""
+    worker_id: str = ""
+    route_code: str = ""
+    route_factors: list[str] = msgspec.field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queued_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    status: Literal["ok", "error", "cancelled"] = "ok"
+    error_code: str | None = None
+    error: str | None = None
+    created_at: float = 0.0
+    finished_at: float = msgspec.field(default_factory=time.time)
+    source: str = "gateway"
+
+
+class RouteDecision(Struct, kw_only=True):
+    """Published by the router for every decision (observers subscribe durably)."""
+
+    v: int = PROTOCOL_VERSION
+    request_id: str
+    route: RouteReason
+    decided_at: float = msgspec.field(default_factory=time.time)
+    decision_s: float = 0.0
+
+
+class DeadLetter(Struct, kw_only=True):
+    """A message that could not be parsed and had no reply subject to answer on."""
+
+    v: int = PROTOCOL_VERSION
+    subject: str
+    error: str
+    service: str
+    payload_head: str = ""  # first bytes, for diagnosis; never the full payload
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------- subjects
+
+
+class Subjects:
+    """Every subject name, built from one prefix. Wildcards are for subscribers."""
+
+    def __init__(self, prefix: str = "strait.v1") -> None:
+        self.prefix = prefix
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}.requests"
+
+    def stream(self, request_id: str) -> str:
+        return f"{self.prefix}.stream.{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.cancel.{request_id}"
+
+    @property
+    def cancel_all(self) -> str:
+        return f"{self.prefix}.cancel.*"
+
+    def work(self, worker_id: str) -> str:
+        return f"{self.prefix}.work.{worker_id}"
+
+    def beat(self, pool: str, role: str, worker_id: str) -> str:
+        return f"{self.prefix}.workers.{pool}.{role}.{worker_id}"
+
+    @property
+    def beats_all(self) -> str:
+        return f"{self.prefix}.workers.>"
+
+    def kv_events(self, worker_id: str) -> str:
+        return f"{self.prefix}.kv_events.{worker_id}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kv_events.*"
+
+    def event(self, kind: Literal["usage", "route"]) -> str:
+        return f"{self.prefix}.events.{kind}"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}.deadletter"
+
+
+# ---------------------------------------------------------------- codec
+
+_encoder = msgspec.json.Encoder()
+_stream_decoder = msgspec.json.Decoder(StreamMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+class ProtocolError(ValueError):
+    """A message that failed validation; ``code`` is the ErrorMessage code to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.request_id = request_id
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    """Decode and validate ``data`` as ``type_``; version checked first. Raises ProtocolError."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError("invalid_request", f"not valid JSON: {e}") from None
+    request_id = ""
+    if isinstance(raw, dict):
+        rid = raw.get("request_id")
+        request_id = rid if isinstance(rid, str) else ""
+        v = raw.get("v", PROTOCOL_VERSION)
+        if v not in SUPPORTED_VERSIONS:
+            raise ProtocolError(
+                "unsupported_version",
+                f"protocol version {v!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})",
+                request_id,
+            )
+    try:
+        return msgspec.convert(raw, type_)
+    except msgspec.ValidationError as e:
+        raise ProtocolError("invalid_request", str(e), request_id) from None
+
+
+def decode_stream(data: bytes) -> StreamMessage:
+    return _stream_decoder.decode(data)
+
+
+def validate_request(req: GenerateRequest) -> None:
+    """Checks across fields that a schema cannot express. Raises ProtocolError."""
+    given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
+    if sum(given) != 1:
+        raise ProtocolError(
+            "invalid_request",
+            "exactly one of prompt, prompt_token_ids, messages must be set",
+            req.request_id,
+        )
+    if req.messages is not None and not req.messages:
+        raise ProtocolError("invalid_request", "messages must not be empty", req.request_id)
+    if (
+        "." in req.request_id
+        or "*" in req.request_id
+        or ">" in req.request_id
+        or " " in req.request_id
+    ):
+        raise ProtocolError(
+            "invalid_request", "request_id must not contain '.', '*', '>' or spaces", req.request_id
+        )
+
+
+PUBLIC_MESSAGES: dict[str, type[Any]] = {
+    "GenerateRequest": GenerateRequest,
+    "CancelRequest": CancelRequest,
+    "StreamMessage": StreamMessage,  # type: ignore[dict-item]
+    "Assignment": Assignment,
+    "AssignmentAck": AssignmentAck,
+    "WorkerBeat": WorkerBeat,
+    "KvEvent": KvEvent,
+    "UsageEvent": UsageEvent,
+    "RouteDecision": RouteDecision,
+    "DeadLetter": DeadLetter,
+}
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON schemas of every public message (written to docs/schemas/ by `strait schemas`)."""
+    return {name: msgspec.json.schema(t) for name, t in PUBLIC_MESSAGES.items()}

@@ -1,0 +1,153 @@
+"""Live view of the workers, built from their beats and KV events (router and gateway).
+
+The router's subscription callbacks call ``on_beat`` / ``on_kv_event``; placement reads
+``live(pool)`` and ``overlaps(hashes)``. A worker whose last beat is older than ``ttl_s`` is not
+live, and ``expire()`` drops it (with its blocks). Every router replica builds the same view from
+the same subjects, so replicas agree without talking; the only per-replica state is ``pending``
+(assignments this replica made that the worker's beats may not show yet).
+
+Blocks are indexed twice: per worker (to forget them when the worker goes) and per hash →
+holders (so the overlap of a prompt with *every* worker is one walk down its block chain).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from libs.protocol import KvEvent, WorkerBeat
+
+
+@dataclass
+class WorkerView:
+    beat: WorkerBeat
+    seen_at: float  # time.monotonic() of the last beat
+    # Chain hashes of the prefix blocks this worker holds (from its KV events).
+    blocks: set[int] = field(default_factory=set)
+    # time.monotonic() of assignments this router made that the last beat may not count yet.
+    pending_at: list[float] = field(default_factory=list)
+
+    @property
+    def worker_id(self) -> str:
+        return self.beat.worker_id
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_at)
+
+    @property
+    def load(self) -> float:
+        """Decode load: sequences held (running + waiting + pending) over the worker's capacity."""
+        b = self.beat
+        return (b.running + b.waiting + len(self.pending_at)) / max(b.capacity, 1)
+
+
+class WorkerRegistry:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.workers: dict[str, WorkerView] = {}
+        # block hash → ids of the workers that hold it
+        self.holders: dict[int, set[str]] = {}
+        # pool → the model its workers last reported (pools stay known after their workers go)
+        self.pool_model: dict[str, str] = {}
+
+    def on_beat(self, beat: WorkerBeat, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.pool_model[beat.pool] = beat.model
+        view = self.workers.get(beat.worker_id)
+        if view is None:
+            self.workers[beat.worker_id] = WorkerView(beat=beat, seen_at=now)
+            return
+        # NOTE: an assignment made before the previous beat arrived has had a whole beat period
+        # to show up in running/waiting; later ones may not be counted yet, so they stay.
+        prev = view.seen_at
+        view.pending_at = [t for t in view.pending_at if t > prev]
+        view.beat, view.seen_at = beat, now
+
+    def on_kv_event(self, ev: KvEvent) -> None:
+        view = self.workers.get(ev.worker_id)
+        if view is None:
+            return
+        wid = ev.worker_id
+        if ev.cleared:
+            self._forget_blocks(view)
+        for h in ev.stored:
+            if h not in view.blocks:
+                view.blocks.add(h)
+                self.holders.setdefault(h, set()).add(wid)
+        for h in ev.evicted:
+            if h in view.blocks:
+                view.blocks.discard(h)
+                self._unhold(h, wid)
+
+    def on_assigned(self, worker_id: str, now: float | None = None) -> float:
+        """Count an assignment (made or about to be offered) until beats can show it."""
+        at = time.monotonic() if now is None else now
+        view = self.workers.get(worker_id)
+        if view is not None:
+            view.pending_at.append(at)
+        return at
+
+    def on_refused(self, worker_id: str, at: float) -> None:
+        """Take back the ``on_assigned`` made at ``at``: the worker did not take the work."""
+        view = self.workers.get(worker_id)
+        if view is not None and at in view.pending_at:
+            view.pending_at.remove(at)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop workers whose last beat is older than ``ttl_s``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        gone = [w for w, v in self.workers.items() if now - v.seen_at > self.ttl_s]
+        for w in gone:
+            self._forget_blocks(self.workers.pop(w))
+        return gone
+
+    def live(
+        self,
+        pool: str,
+        roles: tuple[str, ...] = ("aggregated", "prefill"),
+        now: float | None = None,
+    ) -> list[WorkerView]:
+        now = time.monotonic() if now is None else now
+        return [
+            v
+            for v in self.workers.values()
+            if v.beat.pool == pool
+            and v.beat.role in roles
+            and not v.beat.draining
+            and now - v.seen_at <= self.ttl_s
+        ]
+
+    def overlaps(self, hashes: list[int]) -> dict[str, int]:
+        """worker id → number of leading blocks of the chain ``hashes`` it holds (0: absent)."""
+        out: dict[str, int] = {}
+        active: set[str] | None = None
+        for depth, h in enumerate(hashes, 1):
+            held = self.holders.get(h)
+            if not held:
+                break
+            active = set(held) if active is None else active & held
+            if not active:
+                break
+            for w in active:
+                out[w] = depth
+        return out
+
+    def pools(self) -> set[str]:
+        return {v.beat.pool for v in self.workers.values()}
+
+    def model_pools(self) -> dict[str, str]:
+        """model name → pool, for requests that name a model."""
+        return {v.beat.model: v.beat.pool for v in self.workers.values()}
+
+    def _forget_blocks(self, view: WorkerView) -> None:
+        for h in view.blocks:
+            self._unhold(h, view.worker_id)
+        view.blocks.clear()
+
+    def _unhold(self, h: int, worker_id: str) -> None:
+        held = self.holders.get(h)
+        if held is not None:
+            held.discard(worker_id)
+            if not held:
+                del self.holders[h]

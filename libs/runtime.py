@@ -1,0 +1,122 @@
+"""Service runtime: one entry function per service process.
+
+``run_service(name, body, settings)`` sets up logging and tracing, turns SIGTERM/SIGINT into a
+stop event, optionally serves ``/health``, ``/ready`` and ``/metrics`` on a small HTTP listener,
+and runs ``body(ctx)`` until it returns. ``body`` is expected to wait on ``ctx.stopping`` and
+then drain: finish or hand back in-flight work, close NATS, return. A parent-death watch ends the
+process when the supervisor (``strait up``) that started it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from libs.log import fields, setup_logging
+from libs.settings import Settings
+from libs.telemetry import setup_tracing, shutdown_tracing
+
+log = logging.getLogger("strait.runtime")
+
+# Seconds between checks that the supervisor which started us is still alive.
+PARENT_WATCH_INTERVAL_S = 1.0
+
+
+@dataclass
+class ServiceContext:
+    name: str
+    settings: Settings
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # Replaced by the body once it can take work (answers /ready); not ready while loading.
+    ready: Callable[[], bool] = lambda: False
+
+
+async def _serve_http(ctx: ServiceContext, host: str, port: int) -> asyncio.Server:
+    """Minimal HTTP/1.0 responder: GET /health, /ready, /metrics. Nothing else."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout=5)
+            parts = line.decode("latin-1").split()
+            path = parts[1] if len(parts) >= 2 else "/"
+            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b""):
+                pass
+            status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            if path == "/health":
+                status, body = "200 OK", b"ok\n"
+            elif path == "/ready":
+                ok = ctx.ready() and not ctx.stopping.is_set()
+                status, body = (
+                    ("200 OK", b"ready\n") if ok else ("503 Service Unavailable", b"not ready\n")
+                )
+            elif path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
+            head = (
+                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+async def _watch_parent(ctx: ServiceContext) -> None:
+    parent = os.environ.get("STRAIT_PARENT_PID")
+    if not parent:
+        return
+    pid = int(parent)
+    while not ctx.stopping.is_set():
+        await asyncio.sleep(PARENT_WATCH_INTERVAL_S)
+        if os.getppid() != pid:
+            log.warning("supervisor gone; stopping", extra=fields(parent_pid=pid))
+            ctx.stopping.set()
+
+
+def run_service(
+    name: str,
+    body: Callable[[ServiceContext], Awaitable[None]],
+    settings: Settings,
+    http_port: int = 0,
+) -> int:
+    """Run one service in this process until SIGTERM/SIGINT; returns the exit code."""
+    setup_logging(name, settings.telemetry.log_level, settings.telemetry.log_json)
+    setup_tracing(name, settings.telemetry.service_namespace)
+
+    async def main() -> int:
+        ctx = ServiceContext(name=name, settings=settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, ctx.stopping.set)
+        server = (
+            await _serve_http(ctx, settings.telemetry.http_host, http_port) if http_port else None
+        )
+        watch = asyncio.create_task(_watch_parent(ctx))
+        log.info(
+            "service starting", extra=fields(service=name, pid=os.getpid(), http_port=http_port)
+        )
+        try:
+            await body(ctx)
+            return 0
+        except Exception:
+            log.exception("service failed", extra=fields(service=name))
+            return 1
+        finally:
+            watch.cancel()
+            if server is not None:
+                server.close()
+            log.info("service stopped", extra=fields(service=name))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        shutdown_tracing()

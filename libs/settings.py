@@ -1,0 +1,252 @@
+"""One settings object for every Strait process.
+
+Loaded once per process by ``get_settings()``: defaults below, then the TOML file named by
+``STRAIT_CONFIG`` (default ``configs/strait.toml`` when it exists), then ``STRAIT_*`` environment
+variables (nested fields with ``__``: ``STRAIT_GATEWAY__PORT=9000``). ``NATS_URL`` and
+``DATABASE_URL`` are also read without the prefix, as operators expect.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG_PATH = Path("configs/strait.toml")
+STATE_DIR = Path(".strait")
+
+
+class NatsSettings(BaseModel):
+    url: str = "nats://127.0.0.1:4222"
+    subject_prefix: str = "strait.v1"
+    # Bytes; must not exceed the server's max_payload. `strait up` starts its own server with this.
+    max_payload: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 2.0
+    # JetStream stream names; provisioning is idempotent.
+    requests_stream: str = "STRAIT_REQUESTS"
+    events_stream: str = "STRAIT_EVENTS"
+    kv_events_stream: str = "STRAIT_KV_EVENTS"
+    # Keep at most this long in the requests stream before a router takes it.
+    request_max_age_s: float = 300.0
+    events_max_age_s: float = 7 * 24 * 3600.0
+
+
+class GatewaySettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Requests this gateway process will hold at once; past it: 503 + Retry-After.
+    max_inflight: int = 256
+    # Seconds the gateway waits for the first stream message before giving up with 503.
+    first_message_timeout_s: float = 120.0
+    # Seconds of silence allowed between stream messages once a request is running.
+    idle_timeout_s: float = 60.0
+    retry_after_s: int = 1
+    auth_enabled: bool = True
+    open_metrics: bool = False
+    open_models: bool = False
+    # Per-key defaults; a key may carry its own.
+    default_rpm: int = 600
+    default_tpm: int = 200_000
+    response_cache_enabled: bool = True
+    response_cache_entries: int = 1024
+    response_cache_bytes: int = 16 * 1024 * 1024
+    response_cache_ttl_s: float = 300.0
+    log_prompts: bool = False
+    # Seconds a verified (or rejected) API key is remembered; a revocation takes this long.
+    key_cache_ttl_s: float = 2.0
+    # Waiting requests over a pool's live workers (from their beats) past which new work for
+    # that pool is refused with 429 + Retry-After.
+    max_pool_queue: int = 256
+    # Run the ledger writer (JetStream usage events -> database) inside the gateway process.
+    ledger_enabled: bool = True
+
+
+class PoolSettings(BaseModel):
+    name: str = "default"
+    model: str = "smollm2-135m-instruct"
+    # "aggregated": one worker does prefill and decode. "disaggregated": separate roles.
+    mode: Literal["aggregated", "disaggregated"] = "aggregated"
+    # Workers `strait up` starts for this pool.
+    workers: int = 1
+    prefill_workers: int = 1
+    backend: Literal["engine", "fake"] = "engine"
+
+
+class ClassifierSettings(BaseModel):
+    """The heuristic difficulty classifier's factors (docs/router.md lists them)."""
+
+    # "heuristic", or "module:factory" naming a callable(Settings) -> Classifier (a learned one).
+    kind: str = "heuristic"
+    long_prompt_chars: int = 2000
+    long_prompt: float = 0.5
+    long_output_tokens: int = 512
+    long_output: float = 0.5
+    code: float = 0.6
+    math: float = 0.6
+    multi_step: float = 0.4
+    deep_conversation_turns: int = 6
+    deep_conversation: float = 0.3
+
+
+class RouterSettings(BaseModel):
+    # Beats older than this drop a worker from the registry.
+    worker_ttl_s: float = 1.5
+    # Seconds a worker has to accept an assignment before the router tries another.
+    assign_timeout_s: float = 2.0
+    # Difficulty score at or above which `auto` goes to the large pool.
+    large_threshold: float = 1.0
+    small_pool: str = "small"
+    large_pool: str = "large"
+    default_pool: str = "default"
+    classifier: ClassifierSettings = Field(default_factory=ClassifierSettings)
+    # Placement cost = overlap_weight * uncached_prompt_tokens / prefill_norm_tokens
+    #                + load_weight * (running + waiting + pending) / capacity
+    overlap_weight: float = 1.0
+    load_weight: float = 1.0
+    # Uncached prompt tokens that cost as much as one fully loaded worker.
+    prefill_norm_tokens: int = 1024
+    # Costs within this of the best are ties, chosen between at random (no herding).
+    tie_epsilon: float = 0.05
+    # Pool queue depth (waiting requests over all its workers) past which new work is refused.
+    max_pool_queue: int = 512
+    # No live worker in the chosen pool: use another pool allowed for the request.
+    spill_over: bool = True
+    # Every worker of the chosen pool at or past this load: spill to an allowed pool below it.
+    saturation_spill: bool = False
+    saturation_load: float = 1.0
+    retry_after_s: float = 2.0  # in no_worker / no_capacity errors
+    # Re-place a request whose worker stops beating before the request's first token.
+    replace_lost: bool = True
+    max_attempts: int = 3
+    # Requests watched for their first token at once, and for how long at most.
+    max_watched: int = 10_000
+    watch_ttl_s: float = 120.0
+    # Tokenizations (per message / prompt) cached by the prefix hasher of each model.
+    tokenize_cache_entries: int = 4096
+    # Seconds between registry sweeps (expiry → re-placement).
+    sweep_interval_s: float = 0.1
+    metrics_port: int = 9101  # 0: no HTTP listener
+
+
+class WorkerSettings(BaseModel):
+    worker_id: str = ""  # empty: derived from host and pid
+    pool: str = "default"
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    beat_interval_s: float = 0.2
+    metrics_port: int = 0  # 0: no HTTP listener
+    # Assignments held but not yet started past this are refused (router tries another worker).
+    max_waiting: int = 256
+
+
+class EngineSettings(BaseModel):
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = 16
+    # KV budget: bytes when > 0, else a fraction of free memory.
+    kv_cache_bytes: int = 0
+    kv_cache_memory_fraction: float = 0.25
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    # Prefill chunk (tokens of one prompt per step); 0: the whole batched-token budget.
+    prefill_chunk_tokens: int = 256
+    enable_prefix_caching: bool = True
+    num_threads: int = 0  # 0: torch's default
+
+
+class FakeEngineSettings(BaseModel):
+    """Timing model of the fake backend (load tests of routing/streaming only)."""
+
+    per_token_s: float = 0.01
+    per_prompt_token_s: float = 0.0002
+    max_model_len: int = 4096
+
+
+class ModelsSettings(BaseModel):
+    # Where converted models live; ignored by git.
+    dir: str = ".strait/models"
+
+
+class DatabaseSettings(BaseModel):
+    url: str = ""  # empty: SQLite under .strait/
+    echo: bool = False
+    # PostgreSQL only: the schema Strait's tables live in (empty: the server's search_path).
+    pg_schema: str = ""
+    # Ledger writer: events per database transaction, and seconds before a failed batch is retried.
+    ledger_batch: int = 256
+    ledger_retry_s: float = 2.0
+
+
+class TelemetrySettings(BaseModel):
+    service_namespace: str = "strait"
+    log_level: str = "INFO"
+    log_json: bool = True
+    # Address of the /health, /ready, /metrics listener of router and workers; containers need
+    # 0.0.0.0 so probes and Prometheus reach it.
+    http_host: str = "127.0.0.1"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STRAIT_",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    fake_engine: FakeEngineSettings = Field(default_factory=FakeEngineSettings)
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
+    state_dir: str = Field(
+        default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = Path(os.environ.get("STRAIT_CONFIG", str(DEFAULT_CONFIG_PATH)))
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=path if path.exists() else None)
+        return (init_settings, env_settings, toml)
+
+    def model_post_init(self, __context: Any) -> None:
+        # Operators' conventional names win over the file, lose to STRAIT_* (already applied).
+        if "NATS_URL" in os.environ and "STRAIT_NATS__URL" not in os.environ:
+            self.nats.url = os.environ["NATS_URL"]
+        if "DATABASE_URL" in os.environ and "STRAIT_DATABASE__URL" not in os.environ:
+            self.database.url = os.environ["DATABASE_URL"]
+
+    def pool(self, name: str) -> PoolSettings | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    @property
+    def database_url(self) -> str:
+        if self.database.url:
+            return self.database.url
+        return f"sqlite+aiosqlite:///{Path(self.state_dir).resolve() / 'strait.db'}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings; tests build their own `Settings(...)` instead."""
+    return Settings()

