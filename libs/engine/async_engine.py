@@ -1,0 +1,302 @@
+"""``AsyncEngineBackend``: the real engine behind the workers' ``Backend`` protocol.
+
+Threads: the worker's asyncio loop calls :meth:`prepare` (tokenize, validate), iterates
+:meth:`generate`, calls :meth:`abort` and :meth:`load`. The engine itself lives on one dedicated
+thread (``strait-engine``) that loops ``drain inbox → LLMEngine.step() → deliver``; torch
+releases the GIL during the forward, so the event loop is never blocked by it. The two sides
+talk only through a command inbox (thread-safe queue + wake event) one way and
+``loop.call_soon_threadsafe`` the other way.
+
+    event loop                                   engine thread
+    generate() ──("add", …)──► inbox ──────────► LLMEngine.add_request
+    abort()    ──("abort", …)► inbox ──────────► LLMEngine.abort_request
+    per-request asyncio.Queue ◄── call_soon_threadsafe ◄── LLMEngine.step() outputs
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
+from libs.engine.engine import LLMEngine, StepOutput
+from libs.protocol import ChatMessage, Priority, SamplingParams
+from libs.settings import EngineSettings, Settings
+
+log = logging.getLogger("strait.engine")
+
+# Seconds the idle engine thread sleeps between checks of its stop flag (woken early by work).
+IDLE_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    priority: Priority
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_END = object()  # stream sentinel: the request was aborted, no more chunks
+
+
+class AsyncEngineBackend:
+    """Implements :class:`libs.backend.Backend` with :class:`LLMEngine` on its own thread."""
+
+    def __init__(self, settings: EngineSettings, model_path: str, model_name: str) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.settings = settings
+        self.model_path = model_path
+        self.model_name = model_name
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        text_config = config.get_text_config()
+        self.vocab_size: int = text_config.vocab_size
+        limit = getattr(text_config, "max_position_embeddings", 0) or settings.max_model_len
+        self.max_model_len: int = min(settings.max_model_len, limit)
+        self._engine: LLMEngine | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        # Snapshot for load(), written by the engine thread after each step.
+        self._load = LoadInfo(capacity=settings.max_num_seqs, block_size=settings.block_size)
+        self._events_lock = threading.Lock()
+        self._stored: list[int] = []
+        self._evicted: list[int] = []
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model_name: str) -> AsyncEngineBackend:
+        """Resolve ``model_name`` to a local directory (converting once) and build the backend."""
+        from libs.models import prepare_model
+
+        path = prepare_model(model_name, settings)
+        return cls(settings.engine, str(path), model_name)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Load the model (off the loop) and start the engine thread."""
+        if self.settings.num_threads:
+            torch.set_num_threads(self.settings.num_threads)
+        self._loop = asyncio.get_running_loop()
+        self._engine = await asyncio.to_thread(
+            LLMEngine.from_path, self.model_path, self.settings, self.model_name
+        )
+        self._engine.tokenizer = self.tokenizer
+        self._update_load()
+        self._thread = threading.Thread(target=self._run, name="strait-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for q in self._streams.values():
+            q.put_nowait(BackendError("internal_error", "the engine stopped"))
+
+    # ------------------------------------------------------------------ Backend API
+
+    def prepare(
+        self,
+        *,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        messages: list[ChatMessage] | None,
+        sampling: SamplingParams,
+    ) -> PreparedPrompt:
+        """Chat template / tokenize, then check ids and length. Raises BackendError."""
+        param = "messages" if messages is not None else "prompt"
+        text = ""
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        elif prompt is not None:
+            text = prompt
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BackendError(
+                    "invalid_request",
+                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    "prompt_token_ids",
+                )
+        else:
+            raise BackendError("invalid_request", "no prompt given", "prompt")
+        if not ids:
+            raise BackendError("invalid_request", "the prompt is empty", param)
+        if len(ids) >= self.max_model_len or len(ids) + sampling.max_tokens > self.max_model_len:
+            raise BackendError(
+                "context_length_exceeded",
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"model's context ({self.max_model_len} tokens)",
+                param,
+            )
+        return PreparedPrompt(token_ids=ids, text=text)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        sampling: SamplingParams,
+        priority: Priority,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks until every choice finished; closing early aborts the request."""
+        if self._thread is None:
+            raise BackendError("internal_error", "the engine is not started")
+        if request_id in self._streams:
+            raise BackendError("invalid_request", f"request {request_id!r} is already running")
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._submit(_Add(request_id, list(prompt.token_ids), sampling, priority))
+        done = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    done = True  # the engine already dropped it
+                    raise item
+                out: StepOutput = item
+                done = out.request_finished
+                yield out.chunk
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._submit(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: frees its blocks; its ``generate`` iterator ends without finish."""
+        self._submit(_Abort(request_id))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(_END)
+
+    def load(self) -> LoadInfo:
+        with self._events_lock:
+            stored, evicted = self._stored, self._evicted
+            self._stored, self._evicted = [], []
+        s = self._load
+        return LoadInfo(
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_free=s.kv_blocks_free,
+            capacity=s.capacity,
+            block_size=s.block_size,
+            stored_hashes=stored,
+            evicted_hashes=evicted,
+        )
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _submit(self, cmd: _Add | _Abort) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    def _run(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        while not self._stopping:
+            self._drain_inbox(engine)
+            if not engine.has_unfinished():
+                self._wake.wait(IDLE_POLL_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug or OOM: fail what is running, keep serving
+                log.exception("engine step failed")
+                self._fail_all(engine, BackendError("internal_error", f"engine step failed: {e}"))
+                continue
+            self._update_load()
+            if outputs:
+                self._deliver(outputs)
+
+    def _drain_inbox(self, engine: LLMEngine) -> None:
+        changed = False
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if isinstance(cmd, _Abort):
+                engine.abort_request(cmd.request_id)
+                continue
+            try:
+                engine.add_request(cmd.request_id, cmd.token_ids, cmd.sampling, cmd.priority)
+            except BackendError as e:
+                self._deliver_error(cmd.request_id, e)
+        if changed:
+            self._update_load()
+
+    def _fail_all(self, engine: LLMEngine, error: BackendError) -> None:
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+            self._deliver_error(request_id, error)
+        self._update_load()
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put_outputs, outputs)
+
+    def _deliver_error(self, request_id: str, error: BackendError) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put_error, request_id, error)
+
+    def _put_outputs(self, outputs: list[StepOutput]) -> None:
+        """On the event loop: route each output to its request's stream."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _put_error(self, request_id: str, error: BackendError) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(error)
+
+    def _update_load(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        stored, evicted = engine.drain_kv_events()
+        if stored or evicted:
+            with self._events_lock:
+                self._stored.extend(stored)
+                self._evicted.extend(evicted)
+        self._load = LoadInfo(
+            running=engine.scheduler.num_running,
+            waiting=engine.scheduler.num_waiting,
+            kv_blocks_used=engine.pool.num_used,
+            kv_blocks_free=engine.pool.num_free,
+            capacity=self.settings.max_num_seqs,
+            block_size=self.settings.block_size,
+        )

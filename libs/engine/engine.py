@@ -1,0 +1,372 @@
+"""The synchronous engine: add / abort / step. Used on one thread only.
+
+:class:`~libs.engine.async_engine.AsyncEngineBackend` runs :meth:`LLMEngine.step` in a loop on
+its engine thread; tests and the benchmark drive it directly. One step is
+
+    schedule  → which sequences run how many tokens (Scheduler)
+    execute   → one packed forward, logits at sampled positions (ModelRunner)
+    update    → advance counters, register full blocks, sample, detokenize, check stops
+
+and returns one :class:`StepOutput` per choice that produced output or finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from libs.backend import BackendError, GenerationChunk
+from libs.engine.block_pool import BlockPool
+from libs.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from libs.engine.hashing import chain_hashes
+from libs.engine.kv_manager import KvManager, blocks_for
+from libs.engine.kv_transfer import KvBlocks
+from libs.engine.model_runner import ModelRunner, load_model
+from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from libs.engine.scheduler import Scheduler, SchedulerOutput
+from libs.engine.sequence import SeqStatus, Sequence
+from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
+from libs.settings import EngineSettings
+
+log = logging.getLogger("strait.engine")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """New output of one choice of one request."""
+
+    request_id: str
+    chunk: GenerationChunk
+    request_finished: bool  # every choice of the request has finished
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice ``index`` of a request seeded ``seed`` (choice 0 uses ``seed`` itself)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed wants a non-negative int64
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    sampling: SamplingParams
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model. Not thread-safe: one thread calls it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer | None,
+        settings: EngineSettings,
+        model_id: str,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, settings)
+        self.pool = BlockPool(
+            self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching
+        )
+        self.kv = KvManager(self.pool, model_id)
+        self.scheduler = Scheduler(settings, self.kv)
+        self.sampler = Sampler(seed)
+        limit = self.runner.shape.max_position_embeddings or settings.max_model_len
+        self.max_model_len = min(settings.max_model_len, limit)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.requests: dict[str, _Request] = {}
+        self.num_steps = 0
+
+    @classmethod
+    def from_path(
+        cls, model_path: str | Path, settings: EngineSettings, model_id: str, **kw: Any
+    ) -> LLMEngine:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        model = load_model(model_path, settings)
+        return cls(model, tokenizer, settings, model_id, **kw)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams,
+        priority: Priority = "interactive",
+    ) -> None:
+        """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed)."""
+        if request_id in self.requests:
+            raise BackendError("invalid_request", f"request {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise BackendError("invalid_request", "the prompt is empty", "prompt")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise BackendError(
+                "context_length_exceeded",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the model's context ({self.max_model_len} tokens)",
+                "prompt",
+            )
+        if blocks_for(total, self.pool.block_size) > self.pool.num_blocks:
+            raise BackendError(
+                "context_length_exceeded",
+                f"prompt + max_tokens ({total} tokens) exceed the KV cache "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens); raise "
+                "engine.kv_cache_bytes",
+                "prompt",
+            )
+        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), sampling, priority)
+        self.requests[request_id] = _Request(request_id, sampling, [seq])
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        sampling: SamplingParams,
+        priority: Priority,
+    ) -> Sequence:
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator().manual_seed(choice_seed(sampling.seed, index))
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        return Sequence(
+            request_id=request_id,
+            index=index,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            priority=priority,
+            generator=generator,
+            detokenizer=detok,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; no further output. False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward, sample, and report new output."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched.scheduled)  # [S, vocab]
+        self.num_steps += 1
+        return self._update(sched, logits)
+
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []  # logits row of each sampling row
+        sampling_seqs: list[Sequence] = []
+        new_children: list[Sequence] = []
+        num_logit_rows = 0
+        for item in sched.scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(seq)
+            if not samples:
+                continue
+            family = [seq]
+            if seq.index == 0 and not seq.forked and seq.sampling.n > 1:
+                family += self._fork(seq)
+                new_children += family[1:]
+            for s in family:
+                rows.append(SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts))
+                row_logits.append(num_logit_rows)
+                sampling_seqs.append(s)
+            num_logit_rows += 1
+
+        touched: list[Sequence] = []
+        if rows:
+            out = self.sampler(logits[row_logits], rows)
+            for seq, token, lp in zip(sampling_seqs, out.token_ids, out.logprobs, strict=True):
+                self._append(seq, token, lp)
+                touched.append(seq)
+        for child in new_children:
+            if not child.is_finished:
+                self.scheduler.add(child)
+        return self._collect(touched)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Choices 1..n-1 of ``parent``'s request: same prompt, first token sampled from the
+        same logits. They wait with no blocks and get the prompt's full blocks back as prefix
+        hits (refcount sharing), recomputing only the partial last block."""
+        parent.forked = True
+        req = self.requests[parent.request_id]
+        children = []
+        for i in range(1, parent.sampling.n):
+            child = self._new_sequence(
+                parent.request_id,
+                i,
+                parent.token_ids[: parent.num_prompt_tokens],
+                parent.sampling,
+                parent.priority,
+            )
+            child.arrival = parent.arrival
+            child.forked = True
+            child.num_cached_tokens = parent.num_cached_tokens
+            children.append(child)
+        req.seqs.extend(children)
+        return children
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        """Add a sampled token; detokenize; finish the sequence on a stop condition."""
+        seq.append_token(token)
+        if lp is not None:
+            seq.pending_logprobs.append(self._logprob_entry(lp))
+        p = seq.sampling
+        reason: FinishReason | None = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token's text is not part of the output
+        elif seq.detokenizer is not None:
+            seq.pending_text += seq.detokenizer.add_tokens([token])
+            if seq.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer is not None:
+                seq.pending_text += seq.detokenizer.finish()
+            seq.finish_reason = reason
+            if seq.status is SeqStatus.WAITING:  # a fork child that never ran
+                seq.status = SeqStatus.FINISHED
+            else:
+                self.scheduler.remove(seq)
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> LogprobEntry:
+        text = self._token_text
+        return LogprobEntry(
+            token=text(lp.token_id),
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[
+                TokenLogprob(token=text(t), logprob=v, token_id=t)
+                for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ],
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _collect(self, touched: list[Sequence]) -> list[StepOutput]:
+        """One StepOutput per touched choice; ``request_finished`` is set on the last output of
+        a request whose choices have all finished, and the engine forgets that request."""
+        outputs: list[StepOutput] = []
+        last_of: dict[str, int] = {}
+        for seq in touched:
+            if seq.request_id not in self.requests:
+                continue
+            chunk = GenerationChunk(
+                index=seq.index,
+                text=seq.pending_text,
+                token_ids=seq.pending_token_ids,
+                finish_reason=seq.finish_reason,
+                logprobs=seq.pending_logprobs or None,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = "", [], []
+            last_of[seq.request_id] = len(outputs)
+            outputs.append(StepOutput(seq.request_id, chunk, False))
+        for request_id, i in last_of.items():
+            req = self.requests[request_id]
+            if len(req.seqs) == req.sampling.n and all(s.is_finished for s in req.seqs):
+                outputs[i].request_finished = True
+                del self.requests[request_id]
+        return outputs
+
+    # ------------------------------------------------------------------ KV handoff
+
+    def export_prefix(self, token_ids: Seq[int]) -> KvBlocks | None:
+        """The cached full blocks at the start of ``token_ids`` (e.g. a prompt this engine just
+        prefilled), as transferable bytes; None when the first block is not cached."""
+        hashes = chain_hashes(token_ids, self.pool.block_size, self.model_id)
+        blocks: list[int] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        if not blocks:
+            return None
+        data = self.runner.read_blocks(blocks)
+        return KvBlocks.from_tensor(self.model_id, hashes[: len(blocks)], data)
+
+    def import_prefix(self, kv: KvBlocks) -> int:
+        """Put exported blocks into this engine's prefix cache (free, cached: the next request
+        with that prefix gets hits). Returns how many blocks were new here."""
+        h = kv.header
+        expected = list(self.runner.kv_cache.data.shape)
+        expected[3] = len(h.block_hashes)
+        if h.model_id != self.model_id or h.shape != expected or h.layer_start != 0:
+            raise ValueError(
+                f"KV blocks of {h.model_id} {h.shape} do not fit {self.model_id} {expected}"
+            )
+        if not self.pool.enable_prefix_caching:
+            return 0
+        new = [i for i, bh in enumerate(h.block_hashes) if self.pool.lookup(bh) is None]
+        new = new[: self.pool.num_free]
+        if not new:
+            return 0
+        blocks = self.pool.allocate(len(new))
+        self.runner.write_blocks(blocks, kv.data[:, :, :, new])
+        for b, i in zip(blocks, new, strict=True):
+            self.pool.register(b, h.block_hashes[i])
+        self.pool.release(blocks)
+        return len(blocks)
+
+    # ------------------------------------------------------------------ state
+
+    def drain_kv_events(self) -> tuple[list[int], list[int]]:
+        return self.pool.drain_events()
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer | None) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return frozenset(ids)
+
+
+__all__ = ["LLMEngine", "StepOutput", "choice_seed"]

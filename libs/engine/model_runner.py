@@ -1,0 +1,217 @@
+"""Runs one packed forward per step over the scheduled tokens of every sequence.
+
+Owned by the engine; called once per step with the scheduler's output. It
+
+- loads any ``AutoModelForCausalLM`` (llama / qwen2 / mistral families) with Strait's paged
+  attention (:mod:`libs.engine.attention`) selected, ``use_cache=False`` so transformers keeps
+  no cache of its own;
+- owns the :class:`~libs.engine.attention.KvCache` tensors, sized from the settings;
+- packs prefill chunks and decode tokens into one ``[1, T]`` batch with absolute positions,
+  builds the attention metadata, and asks for logits only at sampled positions
+  (``logits_to_keep`` as a long tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from libs.engine import attention
+from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
+from libs.engine.scheduler import ScheduledSeq
+from libs.settings import EngineSettings
+
+log = logging.getLogger("strait.engine")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the KV cache needs to know about the model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = c.num_attention_heads
+        return cls(
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            num_heads=heads,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=getattr(c, "max_position_embeddings", 0) or 0,
+        )
+
+
+def load_model(model_path: str | Path, settings: EngineSettings) -> torch.nn.Module:
+    """Load weights from a local directory (or a cached hub id) with our attention selected."""
+    from transformers import AutoModelForCausalLM
+
+    attention.register()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path),
+        dtype=DTYPES[settings.dtype],
+        attn_implementation=attention.ATTENTION_NAME,
+        local_files_only=True,
+    )
+    model.eval()
+    return model.to(settings.device)  # type: ignore[arg-type]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` now (bytes): CUDA's free memory, or the host's available."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_kv_blocks(settings: EngineSettings, shape: ModelShape, device: torch.device) -> int:
+    """Blocks that fit the KV budget: ``kv_cache_bytes`` when set, else
+    ``kv_cache_memory_fraction`` of free memory."""
+    per_block = KvCache.bytes_per_block(
+        shape.num_layers,
+        settings.block_size,
+        shape.num_kv_heads,
+        shape.head_dim,
+        DTYPES[settings.dtype],
+    )
+    budget = settings.kv_cache_bytes or int(
+        available_memory_bytes(device) * settings.kv_cache_memory_fraction
+    )
+    return budget // per_block
+
+
+class ModelRunner:
+    """One packed forward per step; owns the model and the KV cache tensors."""
+
+    def __init__(self, model: torch.nn.Module, settings: EngineSettings) -> None:
+        attention.register()
+        # NOTE: switches the given model to paged attention (it no longer runs without metadata).
+        model.set_attn_implementation(attention.ATTENTION_NAME)  # type: ignore[operator]
+        self.model = model
+        self.device = torch.device(settings.device)
+        self.dtype = DTYPES[settings.dtype]
+        self.block_size = settings.block_size
+        self.shape = ModelShape.of(model.config)
+        self.num_blocks = num_kv_blocks(settings, self.shape, self.device)
+        if self.num_blocks < 1:
+            raise ValueError(
+                "the KV budget holds no block; raise engine.kv_cache_bytes or "
+                "engine.kv_cache_memory_fraction"
+            )
+        self.kv_cache = KvCache(
+            self.shape.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.shape.num_kv_heads,
+            self.shape.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.groups = self.shape.num_heads // self.shape.num_kv_heads
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.data.numel() * self.kv_cache.data.element_size() / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the scheduled tokens; returns logits ``[S, vocab]`` (float32) for the entries of
+        ``batch`` that sample, in batch order. Sequence state is not modified."""
+        input_ids: list[int] = []  # [T] packed tokens
+        positions: list[int] = []  # [T] absolute position of each token in its sequence
+        slots: list[int] = []  # [T] flat KV slot each token's K/V is written to
+        keep: list[int] = []  # packed positions whose logits are sampled
+        prefills: list[PrefillSegment] = []
+        dec_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        bs = self.block_size
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx_len = start + n
+            if n == 1:
+                dec_idx.append(q_start)
+                dec_tables.append(table[: -(-ctx_len // bs)])
+                dec_lens.append(ctx_len)
+            else:
+                prefills.append(
+                    PrefillSegment(
+                        q_start=q_start,
+                        q_len=n,
+                        ctx_len=ctx_len,
+                        block_ids=torch.tensor(table[: -(-ctx_len // bs)], device=self.device),
+                        mask=attention.causal_mask(start, n, ctx_len, self.groups).to(self.device),
+                    )
+                )
+            if item.samples:
+                keep.append(q_start + n - 1)
+
+        meta = AttentionMetadata(
+            cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, device=self.device),
+            prefills=prefills,
+        )
+        if dec_idx:
+            max_blocks = max(len(t) for t in dec_tables)
+            padded = [t + [t[-1]] * (max_blocks - len(t)) for t in dec_tables]
+            lens = torch.tensor(dec_lens)
+            meta.decode_token_idx = torch.tensor(dec_idx, device=self.device)
+            meta.decode_block_ids = torch.tensor(padded, device=self.device).view(-1)
+            # [1, B, 1, L_max] True where the key position is inside the sequence.
+            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_mask = mask[None, :, None, :].to(self.device)
+
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            strait_attn=meta,
+        )
+        return out.logits[0].float()  # [S, vocab]
+
+    # ------------------------------------------------------------------ block data
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """K/V of ``block_ids``: ``[layers, 2, kv_heads, len(block_ids), block_size, head_dim]``."""
+        idx = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.data.index_select(3, idx).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read_blocks`."""
+        idx = torch.tensor(block_ids, device=self.device)
+        self.kv_cache.data.index_copy_(3, idx, data.to(self.device, self.dtype))

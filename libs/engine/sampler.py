@@ -1,0 +1,163 @@
+"""Turns the logits of the rows that sample this step into tokens (and log-probabilities).
+
+Called by the engine once per step with one logits row per sampled position and one
+:class:`SamplingRow` per row (a row of a prompt's last token appears ``n`` times when the
+request forks into ``n`` choices). Order of processing per row, as in the OpenAI/HF APIs:
+
+1. penalties: repetition (HF semantics: prompt + output tokens, divide positive logits /
+   multiply negative ones), then frequency and presence (OpenAI: output tokens only);
+2. log-probabilities, when asked, from the penalised logits before temperature;
+3. greedy (temperature 0 or top-k 1): arg-max; otherwise temperature, top-k, top-p, min-p, and
+   a draw by the exponential-race trick (``argmax(p / E)``, ``E ~ Exp(1)``), where ``E`` comes
+   from the row's own ``torch.Generator`` when the request has a seed — so a seeded request
+   draws the same numbers whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from libs.protocol import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about the sequence behind one logits row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: the sampler's shared generator
+    token_ids: Sequence[int]  # prompt + output (repetition penalty)
+    output_counts: dict[int, int]  # output token id → count (frequency/presence penalties)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top alternatives (ids, not text)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Stateless apart from the shared generator used by unseeded requests."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+        """``logits``: [num_rows, vocab] (any float dtype, any device)."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        if not rows:
+            return SampleOutput([], [])
+        logits = logits.to("cpu", torch.float32, copy=True)  # [S, V]; ours to modify in place
+        self._apply_penalties(logits, rows)
+        out_ids = [0] * len(rows)
+
+        greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
+        if greedy:
+            idx = torch.tensor(greedy)
+            for i, t in zip(
+                greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=True
+            ):
+                out_ids[i] = t
+        sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
+        if sampled:
+            tokens = self._sample(
+                logits.index_select(0, torch.tensor(sampled)), [rows[i] for i in sampled]
+            )
+            for i, t in zip(sampled, tokens, strict=True):
+                out_ids[i] = t
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits.index_select(0, torch.tensor(want)), dim=-1)  # [W, V]
+            for j, i in enumerate(want):
+                n = rows[i].params.logprobs or 0
+                top_lp, top_ids = lp[j].topk(n) if n else (torch.empty(0), torch.empty(0))
+                logprobs[i] = TokenLogprobs(
+                    token_id=out_ids[i],
+                    logprob=float(lp[j, out_ids[i]]),
+                    top_ids=[int(x) for x in top_ids.tolist()],
+                    top_logprobs=[float(x) for x in top_lp.tolist()],
+                )
+        return SampleOutput(out_ids, logprobs)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0 and r.token_ids:
+                ids = torch.tensor(sorted(set(r.token_ids)))
+                seen = logits[i, ids]
+                logits[i, ids] = torch.where(
+                    seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
+                )
+            if (p.frequency_penalty or p.presence_penalty) and r.output_counts:
+                ids = torch.tensor(list(r.output_counts))
+                counts = torch.tensor(list(r.output_counts.values()), dtype=logits.dtype)
+                logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """``logits``: [S, V] of non-greedy rows → one token id per row."""
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        logits = logits / temps.unsqueeze(1)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(0 < k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)  # [S, V]
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised is fine).
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return [int(t) for t in (probs / noise).argmax(dim=-1).tolist()]
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature == 0.0 or p.top_k == 1
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus. [S, V] → [S, V]."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k])
+    ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+    remove = ranks >= k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before*
+    # it already reaches top_p (so the first token always stays).
+    before = probs.cumsum(dim=-1) - probs
+    # top_p 1.0 keeps everything (a cumulative sum may round to 1.0 before the tail).
+    thresholds = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype)
+    remove |= before >= thresholds.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,159 @@
+"""Decides, each step, how many tokens of which sequences run (continuous batching).
+
+Called by :meth:`libs.engine.engine.LLMEngine.step` once per step; owns the waiting and running
+queues. Policy:
+
+- order is priority class (interactive before batch), then arrival (FCFS within a class);
+- running sequences are served first, in that order: a decoding one gets 1 token, a
+  prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
+  ``max_num_batched_tokens``;
+- when blocks run out, the last sequence in that order is preempted (blocks freed, put back to
+  waiting; it is recomputed later, keeping the tokens it already produced);
+- waiting sequences are then admitted in order while the budget, ``max_num_seqs`` and free
+  blocks allow, reusing prefix-cache hits; an interactive arrival may preempt running batch
+  work to get in.
+
+The output is ``{sequence: number of tokens}`` (a list of :class:`ScheduledSeq`), not "one token
+per decode", so speculative decoding can later schedule several tokens to verify per sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from libs.engine.kv_manager import KvManager
+from libs.engine.sequence import SeqStatus, Sequence
+from libs.settings import EngineSettings
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens run this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token (so a token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, settings: EngineSettings, kv: KvManager) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
+        self.max_num_seqs = settings.max_num_seqs
+        self.chunk = settings.prefill_chunk_tokens or settings.max_num_batched_tokens
+        # Heap of (sort key, seq); aborted entries are skipped lazily (status FINISHED).
+        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, s in self._waiting if not s.is_finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self._peek_waiting() is not None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (new, forked or preempted) as waiting."""
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted ``seq`` out of the running queue and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting and self._waiting[0][1].is_finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][1] if self._waiting else None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+        out.preempted.append(seq)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.running.sort(key=Sequence.sort_key)
+        self._make_room_for_interactive(out)
+        budget = self.max_num_batched_tokens
+
+        out_of_blocks = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, self.chunk, budget)
+            while not self.kv.can_grow(seq, n) and seq in self.running:
+                out_of_blocks = True
+                self._preempt(self.running[-1], out)
+            if seq not in self.running:  # it was the last one and got preempted itself
+                break
+            self.kv.grow(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        while budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
+            new = self._peek_waiting()
+            if new is None:
+                break
+            hits = self.kv.find_prefix(new)
+            cached = len(hits) * self.kv.block_size
+            n = min(new.num_tokens - cached, self.chunk, budget)
+            if not self.kv.can_admit(hits, cached + n):
+                break
+            heapq.heappop(self._waiting)
+            self.kv.admit(new, hits, n)
+            if new.num_output_tokens == 0 and new.num_preemptions == 0:
+                new.num_cached_tokens = cached
+            new.status = SeqStatus.RUNNING
+            self.running.append(new)
+            out.scheduled.append(ScheduledSeq(new, n))
+            budget -= n
+        return out
+
+    def _make_room_for_interactive(self, out: SchedulerOutput) -> None:
+        """Preempt running batch-class work while an interactive arrival cannot get in."""
+        head = self._peek_waiting()
+        if head is None:
+            return
+        while self.running and self.running[-1].priority_class > head.priority_class:
+            hits = self.kv.find_prefix(head)
+            first = len(hits) * self.kv.block_size + min(
+                head.num_tokens - len(hits) * self.kv.block_size, self.chunk
+            )
+            if len(self.running) < self.max_num_seqs and self.kv.can_admit(hits, first):
+                return
+            self._preempt(self.running[-1], out)

@@ -1,0 +1,112 @@
+"""Scheduler + KV manager on a real BlockPool, no model: assert on queues and block tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.engine.block_pool import BlockPool
+from libs.engine.kv_manager import KvManager
+from libs.engine.scheduler import Scheduler
+from libs.engine.sequence import SeqStatus, Sequence
+from libs.protocol import Priority, SamplingParams
+from libs.settings import EngineSettings
+
+pytestmark = pytest.mark.unit
+
+
+def make(num_blocks: int = 64, block_size: int = 4, **kw: int) -> Scheduler:
+    settings = EngineSettings(block_size=block_size, **kw)
+    return Scheduler(settings, KvManager(BlockPool(num_blocks, block_size), "m"))
+
+
+def seq(rid: str, n_prompt: int, priority: Priority = "interactive", first: int = 0) -> Sequence:
+    ids = list(range(first, first + n_prompt))
+    return Sequence(rid, 0, ids, n_prompt, SamplingParams(), priority)
+
+
+def run(s: Scheduler) -> dict[str, int]:
+    """One schedule + pretend forward: advance computed counts, 'sample' a token where due."""
+    out = s.schedule()
+    for item in out.scheduled:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_new_tokens
+        s.kv.commit(item.seq)
+        if samples:
+            item.seq.append_token(7)
+    return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+
+
+def test_chunked_prefill_under_token_budget_then_decode() -> None:
+    s = make(max_num_batched_tokens=10, prefill_chunk_tokens=6)
+    s.add(seq("a", 9))
+    s.add(seq("b", 5))
+    assert run(s) == {"a": 6, "b": 4}  # budget 10 split; b gets what is left
+    assert run(s) == {"a": 3, "b": 1}  # a finishes its prompt, b its last prompt token
+    assert run(s) == {"a": 1, "b": 1}  # both decode one token per step
+
+
+def test_max_num_seqs_and_fcfs() -> None:
+    s = make(max_num_seqs=2, max_num_batched_tokens=100)
+    for rid in "abc":
+        s.add(seq(rid, 3))
+    assert list(run(s)) == ["a", "b"]
+    assert s.num_waiting == 1
+
+
+def test_interactive_before_batch_fcfs_within_class() -> None:
+    s = make(max_num_batched_tokens=8, prefill_chunk_tokens=8)
+    s.add(seq("batch1", 8, "batch", first=0))
+    s.add(seq("inter1", 8, first=100))
+    s.add(seq("inter2", 8, first=200))
+    assert run(s) == {"inter1": 8}
+    assert run(s) == {"inter1": 1, "inter2": 7}
+    assert run(s) == {"inter1": 1, "inter2": 1, "batch1": 6}
+
+
+def test_preemption_when_blocks_run_out_and_resume_without_loss() -> None:
+    # 4 blocks of 4 tokens; two sequences of 7 prompt tokens need 2 blocks each, then grow.
+    s = make(num_blocks=4, max_num_batched_tokens=64, prefill_chunk_tokens=64)
+    a, b = seq("a", 7), seq("b", 7, first=100)
+    s.add(a)
+    s.add(b)
+    assert run(s) == {"a": 7, "b": 7}
+    assert run(s) == {"a": 1, "b": 1}  # positions 7: still inside block 2
+    # Both now need a third block; only b (the later one) is preempted.
+    assert run(s) == {"a": 1}
+    assert b.status is SeqStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1
+    produced = b.output_token_ids
+    # Finish a: b comes back and recomputes prompt + output. Its first block is still cached
+    # (a's growth evicted the LRU one, b's second block), so 9 - 4 tokens are recomputed.
+    s.remove(a)
+    assert run(s) == {"b": 5}
+    assert b.status is SeqStatus.RUNNING and b.num_computed_tokens == 9
+    assert b.output_token_ids[: len(produced)] == produced and b.num_output_tokens == 3
+
+
+def test_prefix_hit_skips_cached_blocks_but_never_the_last_token() -> None:
+    s = make(max_num_batched_tokens=64, prefill_chunk_tokens=64)
+    a = seq("a", 10)
+    s.add(a)
+    run(s)  # 10 tokens: blocks 0, 1 full and registered
+    b = seq("b", 10)  # same tokens
+    s.add(b)
+    got = run(s)
+    assert b.num_cached_tokens == 8 and got["b"] == 2
+    assert b.block_table[:2] == a.block_table[:2]
+    assert s.kv.pool.ref_count[a.block_table[0]] == 2
+    c = seq("c", 8)  # whole prompt cached: the last block must still be computed
+    s.add(c)
+    got = run(s)
+    assert c.num_cached_tokens == 4 and got["c"] == 4
+
+
+def test_interactive_arrival_preempts_running_batch_work() -> None:
+    s = make(num_blocks=4, max_num_batched_tokens=64, prefill_chunk_tokens=64)
+    bulk = seq("bulk", 15, "batch")
+    s.add(bulk)
+    run(s)  # holds all 4 blocks
+    s.add(seq("urgent", 3))
+    got = run(s)
+    assert "urgent" in got and "bulk" not in got
+    assert bulk.status is SeqStatus.WAITING and bulk.num_preemptions == 1
