@@ -1,0 +1,70 @@
+"""``strait decode``: a worker process (role ``aggregated`` by default: prefill + decode).
+
+Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
+``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.*`` and beats until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from libs.backend import Backend
+from libs.log import fields
+from libs.nats_util import connect
+from libs.runtime import ServiceContext, run_service
+from libs.settings import Settings, get_settings
+from services.decode.worker import Worker
+
+log = logging.getLogger("strait.worker")
+
+# Seconds running requests get to finish after SIGTERM.
+DRAIN_TIMEOUT_S = 30.0
+
+
+def build_backend(settings: Settings) -> Backend:
+    pool = settings.pool(settings.worker.pool)
+    if pool is None:
+        raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
+    if pool.backend == "fake":
+        from libs.fake_engine import FakeBackend
+
+        log.warning("using the FAKE backend (load tests only)", extra=fields(pool=pool.name))
+        return FakeBackend(
+            settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
+        )
+    from libs.engine.async_engine import AsyncEngineBackend
+
+    return AsyncEngineBackend.from_settings(settings, pool.model)
+
+
+async def serve(ctx: ServiceContext) -> None:
+    settings = ctx.settings
+    backend = build_backend(settings)
+    await backend.start()
+    nc = await connect(settings.nats, f"worker-{settings.worker.pool}")
+    worker = Worker(nc, settings, backend)
+    ctx.ready = lambda: nc.is_connected and not worker.draining
+    subs = [
+        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
+        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
+    ]
+    beats = asyncio.create_task(worker.beat_loop(ctx.stopping))
+    log.info(
+        "worker ready",
+        extra=fields(worker_id=worker.worker_id, pool=worker.pool, model=backend.model_name),
+    )
+    try:
+        await ctx.stopping.wait()
+        await worker.drain(DRAIN_TIMEOUT_S)
+    finally:
+        beats.cancel()
+        for s in subs:
+            await s.unsubscribe()
+        await nc.drain()
+        await backend.stop()
+
+
+def main(settings: Settings | None = None) -> int:
+    settings = settings or get_settings()
+    return run_service("worker", serve, settings, http_port=settings.worker.metrics_port)

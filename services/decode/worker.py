@@ -1,0 +1,318 @@
+"""The worker loop: take assignments over NATS, run them on a backend, stream the tokens.
+
+Used by ``strait decode`` (role ``aggregated``: one worker does prefill and decode). Flow per
+assignment: router --Assignment (request/reply)--> ``on_assignment`` → ack → ``serve`` task:
+``backend.prepare`` → ``backend.generate`` → TokenDelta… → Finished (or ErrorMessage).
+A ``CancelRequest`` aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from libs.backend import Backend, BackendError
+from libs.log import fields
+from libs.nats_util import StreamWriter, publish_msg
+from libs.protocol import (
+    Assignment,
+    AssignmentAck,
+    CancelRequest,
+    ErrorMessage,
+    Finished,
+    KvEvent,
+    ProtocolError,
+    Routed,
+    Subjects,
+    Timings,
+    TokenDelta,
+    Usage,
+    WorkerBeat,
+    decode,
+    encode,
+    validate_request,
+)
+from libs.settings import Settings
+from libs.telemetry import extract_context, tracer
+from services.deadletter import dead_letter
+from services.decode import metrics
+
+log = logging.getLogger("strait.worker")
+
+
+def default_worker_id(pool: str) -> str:
+    return f"{pool}-{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+class Worker:
+    def __init__(self, nc: NATS, settings: Settings, backend: Backend, worker_id: str = "") -> None:
+        self.nc = nc
+        self.settings = settings
+        self.backend = backend
+        self.pool = settings.worker.pool
+        self.role = settings.worker.role
+        self.worker_id = worker_id or settings.worker.worker_id or default_worker_id(self.pool)
+        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.draining = False
+        self._tracer = tracer("strait.worker")
+
+    # ------------------------------------------------------------ NATS handlers
+
+    async def on_assignment(self, msg: Msg) -> None:
+        try:
+            a = decode(msg.data, Assignment)
+            validate_request(a.request)
+        except ProtocolError as e:
+            await self._reject_malformed(msg, e)
+            return
+        rid = a.request.request_id
+        if (
+            self.draining
+            or len(self.tasks) >= self.settings.worker.max_waiting + self.load_capacity()
+        ):
+            await self._ack(
+                msg, AssignmentAck(accepted=False, reason="draining" if self.draining else "full")
+            )
+            return
+        if rid in self.tasks:  # duplicate delivery of an assignment we already run
+            await self._ack(msg, AssignmentAck(accepted=True, reason="duplicate"))
+            return
+        await self._ack(msg, AssignmentAck(accepted=True))
+        parent = extract_context(msg.headers)
+        self.tasks[rid] = asyncio.create_task(self.serve(a, parent))
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            c = decode(msg.data, CancelRequest)
+        except ProtocolError as e:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+            return
+        rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
+        task = self.tasks.get(rid)
+        if task is not None:
+            self.backend.abort(rid)
+            task.cancel()
+            metrics.CANCELLED.inc()
+
+    async def _ack(self, msg: Msg, ack: AssignmentAck) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(ack))
+
+    async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
+        """Answer a bad assignment on the request's stream when we can tell where it goes."""
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(AssignmentAck(accepted=False, reason=str(e))))
+        if e.request_id:
+            err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
+            await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
+        else:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+
+    def load_capacity(self) -> int:
+        return self.backend.load().capacity
+
+    # ------------------------------------------------------------ one request
+
+    async def serve(self, a: Assignment, parent: Context) -> None:
+        req = a.request
+        rid = req.request_id
+        subject = req.reply_subject or self.subjects.stream(rid)
+        out = StreamWriter(self.nc, subject, rid)
+        started = time.perf_counter()
+        ttft: float | None = None
+        last_token_at = 0.0
+        usage = Usage()
+        status, error_code = "ok", ""
+        metrics.RUNNING.inc()
+        metrics.QUEUE.observe(a.queued_s)
+        span = self._tracer.start_span(
+            "worker.generate",
+            context=parent,
+            attributes={
+                "strait.request_id": rid,
+                "strait.worker_id": self.worker_id,
+                "strait.pool": self.pool,
+            },
+        )
+        phase_ctx = trace.set_span_in_context(span)
+        # Aggregated mode runs both phases here: "prefill" until the first token, then "decode".
+        phase = self._tracer.start_span("prefill", context=phase_ctx)
+        try:
+            if req.want_route:
+                await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
+            prompt = self.backend.prepare(
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                messages=req.messages,
+                sampling=req.sampling,
+            )
+            usage.prompt_tokens = len(prompt.token_ids)
+            async for chunk in self.backend.generate(rid, prompt, req.sampling, req.priority):
+                now = time.perf_counter()
+                if ttft is None and (chunk.token_ids or chunk.finish_reason):
+                    ttft = now - started
+                    span.add_event("first_token")
+                    metrics.TTFT.observe(ttft)
+                    phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
+                    phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
+                    phase.set_attribute(
+                        "strait.computed_tokens", usage.prompt_tokens - chunk.num_cached_tokens
+                    )
+                    phase.end()
+                    phase = self._tracer.start_span("decode", context=phase_ctx)
+                elif chunk.token_ids and chunk.index == 0:
+                    metrics.ITL.observe(now - last_token_at)
+                if chunk.token_ids and chunk.index == 0:
+                    last_token_at = now
+                usage.completion_tokens += len(chunk.token_ids)
+                usage.cached_tokens = chunk.num_cached_tokens
+                await out.send(
+                    TokenDelta(
+                        seq=out.next_seq(),
+                        request_id=rid,
+                        index=chunk.index,
+                        text=chunk.text,
+                        token_ids=chunk.token_ids,
+                        logprobs=chunk.logprobs,
+                        finish_reason=chunk.finish_reason,
+                    )
+                )
+            total = time.perf_counter() - started
+            await out.send(
+                Finished(
+                    seq=out.next_seq(),
+                    request_id=rid,
+                    usage=usage,
+                    model=self.backend.model_name,
+                    pool=self.pool,
+                    worker_id=self.worker_id,
+                    timings=Timings(queued_s=a.queued_s, ttft_s=ttft, total_s=total),
+                )
+            )
+            metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
+            metrics.E2E.observe(total)
+        except BackendError as e:
+            status, error_code = "error", e.code
+            await out.send(
+                ErrorMessage(
+                    seq=out.next_seq(), request_id=rid, code=e.code, message=str(e), param=e.param
+                )
+            )
+        except asyncio.CancelledError:
+            status, error_code = "cancelled", "cancelled"
+            self.backend.abort(rid)
+            if self.draining:  # shutting down, not a client cancel: tell the client clearly
+                await out.send(
+                    ErrorMessage(
+                        seq=out.next_seq(),
+                        request_id=rid,
+                        code="worker_lost",
+                        message="worker shut down before the request finished",
+                        retry_after_s=1.0,
+                    )
+                )
+        except Exception as e:
+            status, error_code = "error", "internal_error"
+            log.exception("request failed", extra=fields(request_id=rid))
+            await out.send(
+                ErrorMessage(
+                    seq=out.next_seq(),
+                    request_id=rid,
+                    code="internal_error",
+                    message=f"worker error: {e}",
+                )
+            )
+        finally:
+            metrics.RUNNING.dec()
+            metrics.REQUESTS.labels(status=status).inc()
+            phase.set_attribute("strait.completion_tokens", usage.completion_tokens)
+            phase.end()
+            span.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
+            span.set_attribute("strait.completion_tokens", usage.completion_tokens)
+            span.set_attribute("strait.cached_tokens", usage.cached_tokens)
+            if status != "ok":
+                span.set_status(trace.StatusCode.ERROR, error_code)
+            span.end()
+            self.tasks.pop(rid, None)
+            log.info(
+                "request",
+                extra=fields(
+                    request_id=rid,
+                    status=status,
+                    error=error_code or None,
+                    pool=self.pool,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    cached_tokens=usage.cached_tokens,
+                    ttft_s=round(ttft, 4) if ttft else None,
+                    total_s=round(time.perf_counter() - started, 4),
+                ),
+            )
+
+    # ------------------------------------------------------------ beats
+
+    def beat(self) -> tuple[WorkerBeat, KvEvent | None]:
+        load = self.backend.load()
+        metrics.KV_BLOCKS_USED.set(load.kv_blocks_used)
+        metrics.KV_BLOCKS_FREE.set(load.kv_blocks_free)
+        metrics.WAITING.set(load.waiting)
+        beat = WorkerBeat(
+            worker_id=self.worker_id,
+            pool=self.pool,
+            role=self.role,
+            model=self.backend.model_name,
+            running=load.running,
+            waiting=load.waiting,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_free=load.kv_blocks_free,
+            capacity=load.capacity,
+            block_size=load.block_size,
+            max_model_len=self.backend.max_model_len,
+            draining=self.draining,
+        )
+        kv = None
+        if load.stored_hashes or load.evicted_hashes:
+            kv = KvEvent(
+                worker_id=self.worker_id,
+                model=self.backend.model_name,
+                stored=load.stored_hashes,
+                evicted=load.evicted_hashes,
+            )
+        return beat, kv
+
+    async def beat_loop(self, stopping: asyncio.Event) -> None:
+        subject = self.subjects.beat(self.pool, self.role, self.worker_id)
+        while True:
+            beat, kv = self.beat()
+            try:
+                await publish_msg(self.nc, subject, beat)
+                if kv is not None:
+                    await publish_msg(self.nc, self.subjects.kv_events(self.worker_id), kv)
+            except Exception as e:  # reconnecting: the next beat will go out
+                log.warning("beat failed", extra=fields(error=repr(e)))
+            try:
+                await asyncio.wait_for(stopping.wait(), self.settings.worker.beat_interval_s)
+                return
+            except TimeoutError:
+                continue
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking work (beats say draining), let running requests finish, then abort."""
+        self.draining = True
+        beat, _ = self.beat()
+        await publish_msg(self.nc, self.subjects.beat(self.pool, self.role, self.worker_id), beat)
+        if self.tasks:
+            _, pending = await asyncio.wait(list(self.tasks.values()), timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
