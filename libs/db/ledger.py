@@ -1,0 +1,186 @@
+"""The ledger writer: JetStream usage events -> one ``requests`` row per request id.
+
+Loop: fetch a batch from the durable pull consumer ``ledger`` on the events stream (filtered to
+``Subjects.event("usage")``) → decode (garbage is terminated, never retried) → upsert the batch
+in one transaction → ack. A database error naks the batch with a delay, so an outage delays rows
+and loses none: the events wait in JetStream. Every gateway replica may run a writer: replicas
+bound to the same durable consumer share its messages, and a redelivered event (a lost ack, a
+replica that died mid-batch) upserts the same row again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import FetchTimeoutError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from libs.db import Database
+from libs.db.models import RequestRow
+from libs.log import fields
+from libs.nats_util import ensure_consumer, ensure_stream, stream_configs
+from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
+from libs.settings import Settings
+
+log = logging.getLogger("strait.ledger")
+
+LEDGER_DURABLE = "ledger"
+FETCH_TIMEOUT_S = 0.5
+ACK_WAIT_S = 30.0
+MAX_ERROR_CHARS = 2000
+MAX_BACKOFF_S = 30.0
+
+
+def _ts(unix: float) -> datetime:
+    return datetime.fromtimestamp(unix, UTC)
+
+
+def row_values(ev: UsageEvent) -> dict[str, Any]:
+    return {
+        "request_id": ev.request_id,
+        "api_key_id": ev.api_key_id,
+        "pool": ev.pool,
+        "model": ev.model,
+        "worker_id": ev.worker_id,
+        "route_code": ev.route_code,
+        "route_factors": list(ev.route_factors),
+        "prompt_tokens": ev.prompt_tokens,
+        "completion_tokens": ev.completion_tokens,
+        "cached_tokens": ev.cached_tokens,
+        "queued_s": ev.queued_s,
+        "ttft_s": ev.ttft_s,
+        "total_s": ev.total_s,
+        "status": ev.status,
+        "error_code": ev.error_code,
+        "error": ev.error[:MAX_ERROR_CHARS] if ev.error else ev.error,
+        "source": ev.source,
+        "created_at": _ts(ev.created_at or ev.finished_at),
+        "finished_at": _ts(ev.finished_at),
+    }
+
+
+async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
+    """Insert or overwrite the rows of ``events`` in one transaction (idempotent)."""
+    if not events:
+        return
+    # One statement may not touch a row twice (PostgreSQL): the latest event per id wins.
+    latest: dict[str, UsageEvent] = {}
+    for ev in events:
+        if ev.request_id not in latest or ev.finished_at >= latest[ev.request_id].finished_at:
+            latest[ev.request_id] = ev
+    rows = [row_values(ev) for ev in latest.values()]
+    insert = pg_insert if db.dialect == "postgresql" else sqlite_insert
+    stmt = insert(RequestRow).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[RequestRow.request_id],
+        set_={k: stmt.excluded[k] for k in rows[0] if k != "request_id"},
+    )
+    async with db.engine.begin() as conn:
+        await conn.execute(stmt)
+
+
+class LedgerWriter:
+    """Runs until ``stop()``; ``written`` / ``failures`` count rows and failed batches."""
+
+    def __init__(self, settings: Settings, js: JetStreamContext, db: Database) -> None:
+        self.settings = settings
+        self.js = js
+        self.db = db
+        self.subject = Subjects(settings.nats.subject_prefix).event("usage")
+        self.written = 0
+        self.failures = 0
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        stream = self.settings.nats.events_stream
+        for cfg in stream_configs(self.settings.nats):
+            if cfg.name == stream:
+                await ensure_stream(self.js, cfg)
+        await ensure_consumer(
+            self.js,
+            stream,
+            ConsumerConfig(
+                durable_name=LEDGER_DURABLE,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=ACK_WAIT_S,
+                max_deliver=-1,
+                filter_subject=self.subject,
+                deliver_policy=DeliverPolicy.ALL,
+            ),
+        )
+        self._sub = await self.js.pull_subscribe_bind(durable=LEDGER_DURABLE, stream=stream)
+        self._task = asyncio.create_task(self.run(), name="ledger-writer")
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, FETCH_TIMEOUT_S * 4 + 5)
+            except TimeoutError:
+                self._task.cancel()
+            self._task = None
+        # NOTE: unsubscribe before the connection drains; draining a pull subscription waits
+        # on a queue nothing empties.
+        try:
+            await self._sub.unsubscribe()
+        except Exception:
+            pass
+
+    async def run(self) -> None:
+        backoff = self.settings.database.ledger_retry_s
+        while not self._stopping.is_set():
+            try:
+                msgs = await self._sub.fetch(
+                    self.settings.database.ledger_batch, timeout=FETCH_TIMEOUT_S
+                )
+            except (FetchTimeoutError, NatsTimeout, TimeoutError):
+                continue
+            except Exception as e:  # NATS reconnecting
+                log.warning("ledger fetch failed", extra=fields(error=repr(e)))
+                await self._sleep(1.0)
+                continue
+            if await self.write(msgs):
+                backoff = self.settings.database.ledger_retry_s
+            else:
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def write(self, msgs: list[Any]) -> bool:
+        """Upsert one fetched batch; False when the database refused it (batch nak'ed)."""
+        events, good = [], []
+        for m in msgs:
+            try:
+                events.append(decode(m.data, UsageEvent))
+                good.append(m)
+            except ProtocolError as e:
+                log.error("bad usage event dropped", extra=fields(error=str(e)))
+                await m.term()
+        try:
+            await upsert_usage(self.db, events)
+        except Exception as e:
+            self.failures += 1
+            log.warning(
+                "ledger write failed; events stay in JetStream",
+                extra=fields(events=len(events), error=repr(e)[:300]),
+            )
+            for m in good:
+                await m.nak(delay=self.settings.database.ledger_retry_s)
+            return False
+        for m in good:
+            await m.ack()
+        self.written += len(events)
+        return True
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass

@@ -1,0 +1,55 @@
+"""Tables: ``api_keys`` (hashed secrets and limits) and ``requests`` (the ledger, one row per
+request id). Changing them needs a new revision in ``migrations/versions``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    # "scrypt$<n>$<r>$<p>$<salt hex>$<hash hex>" of the whole secret.
+    secret_hash: Mapped[str] = mapped_column(String(255))
+    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class RequestRow(Base):
+    __tablename__ = "requests"
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    pool: Mapped[str] = mapped_column(String(128), default="")
+    model: Mapped[str] = mapped_column(Text, default="")
+    worker_id: Mapped[str] = mapped_column(String(200), default="")
+    route_code: Mapped[str] = mapped_column(String(64), default="")
+    route_factors: Mapped[list[str]] = mapped_column(JSON, default=list)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    queued_s: Mapped[float] = mapped_column(Float, default=0.0)
+    ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_s: Mapped[float] = mapped_column(Float, default=0.0)
+    status: Mapped[str] = mapped_column(String(16))
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    source: Mapped[str] = mapped_column(String(32), default="gateway")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_requests_api_key_id_created_at", "api_key_id", "created_at"),
+        Index("ix_requests_created_at", "created_at"),
+    )

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP front door (FastAPI).
+
+``create_app(settings)`` is called by ``services.gateway.main`` (uvicorn) and by tests. Routes:
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/ready``,
+``/metrics``. A completion passes, in order: API key (``deps.require_key``) → per-key rate
+limits (``limits.py``) → response cache (``cache.py``) → backpressure (in-flight bound, pool
+queue depth) → one ``GenerateRequest`` on NATS (``completions.py``). The lifespan connects to
+NATS, migrates the database and runs the ledger writer (``libs.db.ledger``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from libs.db import Database
+from libs.db.ledger import LedgerWriter
+from libs.protocol import GenerateRequest, UsageEvent
+from libs.settings import Settings
+from services.gateway import metrics
+from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
+from services.gateway.cache import ResponseCache, cache_key, is_deterministic
+from services.gateway.completions import (
+    ChunkShaper,
+    CompletionRun,
+    Kind,
+    SseResponse,
+    new_request_id,
+    replay_sse,
+)
+from services.gateway.deps import FleetDep, KeyDep, require_key
+from services.gateway.errors import ApiError, install_handlers
+from services.gateway.fleet import Fleet
+from services.gateway.keystore import DatabaseKeyStore
+from services.gateway.limits import RateLimiter
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+# Output tokens when the client sets no limit (OpenAI's completions default is 16; chat's is
+# "until the context ends", which we bound).
+DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_TEXT_MAX_TOKENS = 16
+# Rough characters per token, to reserve a prompt's tokens before the worker counts them.
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(req: GenerateRequest) -> int:
+    if req.prompt_token_ids is not None:
+        prompt = len(req.prompt_token_ids)
+    else:
+        text = (
+            req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        )
+        prompt = len(text) // CHARS_PER_TOKEN + 1
+    return prompt + req.sampling.max_tokens * req.sampling.n
+
+
+def create_app(
+    settings: Settings, keys: KeyStore | None = None, fleet: Fleet | None = None
+) -> FastAPI:
+    g = settings.gateway
+    if keys is None:
+        keys = DatabaseKeyStore(settings) if g.auth_enabled else OpenKeyStore()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        fleet: Fleet = app.state.fleet
+        await fleet.start()
+        db: Database | None = None
+        ledger: LedgerWriter | None = None
+        try:
+            if isinstance(keys, DatabaseKeyStore):
+                await keys.start()
+            if g.ledger_enabled:
+                assert fleet.js is not None
+                db = keys.db if isinstance(keys, DatabaseKeyStore) else Database(settings)
+                await db.migrate()
+                ledger = LedgerWriter(settings, fleet.js, db)
+                await ledger.start()
+            app.state.ledger = ledger
+            yield
+        finally:
+            if ledger is not None:
+                await ledger.stop()
+            await fleet.stop()
+            if isinstance(keys, DatabaseKeyStore):
+                await keys.close()
+            elif db is not None:
+                await db.close()
+
+    app = FastAPI(title="Strait", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.fleet = fleet or Fleet(settings)
+    app.state.keys = keys
+    app.state.inflight = 0
+    app.state.ledger = None
+    app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
+    app.state.cache = cache = ResponseCache(g)
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(fleet: FleetDep) -> JSONResponse:
+        workers = fleet.live_workers()
+        ok = fleet.connected and workers > 0
+        body = {
+            "status": "ready" if ok else "not ready",
+            "nats": fleet.connected,
+            "live_workers": workers,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prom(request: Request) -> Response:
+        if not g.open_metrics:
+            await require_key(request)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request, fleet: FleetDep) -> dict[str, Any]:
+        if not g.open_models:
+            await require_key(request)
+        fleet.registry.expire()
+        live = fleet.registry.pools()
+        data = []
+        now = int(time.time())
+        for p in settings.pools:
+            for model_id in (p.name, p.model):
+                data.append(
+                    {
+                        "id": model_id,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "strait",
+                        "root": p.model,
+                        "strait_pool": p.name,
+                        "strait_live": p.name in live,
+                    }
+                )
+        data.append(
+            {"id": "auto", "object": "model", "created": now, "owned_by": "strait", "root": "auto"}
+        )
+        return {"object": "list", "data": data}
+
+    def admit_capacity(model: str) -> None:
+        fleet: Fleet = app.state.fleet
+        if app.state.inflight >= g.max_inflight:
+            metrics.REJECTED.labels(code="gateway_full").inc()
+            raise ApiError(
+                503,
+                "gateway is at its in-flight limit (gateway.max_inflight)",
+                "no_capacity",
+                retry_after_s=g.retry_after_s,
+            )
+        depth = fleet.queue_depth(model)
+        if depth is not None and depth >= g.max_pool_queue:
+            metrics.REJECTED.labels(code="queue_full").inc()
+            raise ApiError(
+                429,
+                f"{depth} requests are queued for model {model!r} "
+                "(gateway.max_pool_queue); retry later",
+                "queue_full",
+                retry_after_s=g.retry_after_s,
+            )
+
+    async def serve_hit(
+        kind: Kind,
+        hit: dict[str, Any],
+        stream: bool,
+        include_usage: bool,
+        key: KeyInfo,
+        req: GenerateRequest,
+        reserved: int,
+    ) -> Response:
+        hit = {**hit, "id": req.request_id, "created": int(time.time())}
+        u = hit["usage"]
+        limiter.settle(key, reserved, u["total_tokens"])
+        await app.state.fleet.usage(
+            UsageEvent(
+                request_id=req.request_id,
+                api_key_id=key.key_id,
+                model=req.model,
+                route_code="cache_hit",
+                prompt_tokens=u["prompt_tokens"],
+                completion_tokens=u["completion_tokens"],
+                cached_tokens=u["prompt_tokens"],
+                created_at=req.created_at,
+            )
+        )
+        metrics.REQUESTS.labels(kind=kind, status="cache_hit").inc()
+        headers = {"X-Strait-Cache": "hit", "X-Request-Id": req.request_id}
+        if stream:
+            shaper = ChunkShaper(kind, hit["id"], hit["created"], hit["model"], include_usage)
+
+            async def nothing() -> None:
+                return None
+
+            return SseResponse(replay_sse(shaper, hit), nothing, headers)
+        return JSONResponse(hit, headers=headers)
+
+    async def submit(
+        kind: Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        key: KeyInfo,
+        req: GenerateRequest,
+    ) -> Response:
+        reserved = limiter.admit(key, estimate_tokens(req))
+        ck = cache_key(key.key_id, kind, body) if cache.enabled and is_deterministic(body) else None
+        hit = cache.get(ck) if ck else None
+        if hit is not None:
+            return await serve_hit(kind, hit, body.stream, body.include_usage, key, req, reserved)
+        try:
+            admit_capacity(req.model)
+        except ApiError:
+            limiter.settle(key, reserved, 0)
+            limiter.refund_request(key)
+            raise
+
+        def on_close(run: CompletionRun) -> None:
+            app.state.inflight -= 1
+            metrics.INFLIGHT.set(app.state.inflight)
+            f = run.outcome.finished
+            used = (
+                f.usage.total_tokens if f else (reserved if run.outcome.ttft_s is not None else 0)
+            )
+            limiter.settle(key, reserved, used)
+            out = run.response_body() if ck else None
+            if ck and out is not None:
+                cache.put(ck, out)
+
+        app.state.inflight += 1
+        metrics.INFLIGHT.set(app.state.inflight)
+        run = CompletionRun(app.state.fleet, kind, req, key.key_id, body.include_usage, on_close)
+        headers = {"X-Strait-Cache": "miss" if ck else "bypass"}
+        try:
+            first = await run.start()
+        except BaseException:
+            await asyncio.shield(run.close())
+            raise
+        if body.stream:
+            return run.streaming_response(first, headers)
+        out = await run.collect(first)
+        return JSONResponse(out, headers={"X-Request-Id": req.request_id, **headers})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, key: KeyDep) -> Response:
+        try:
+            messages = body.wire_messages()
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_request", "messages") from None
+        req = GenerateRequest(
+            request_id=new_request_id("chat"),
+            model=body.model,
+            messages=messages,
+            sampling=body.sampling(DEFAULT_CHAT_MAX_TOKENS, body.logprobs_n()),
+            priority=body.priority,
+            api_key_id=key.key_id,
+            user=body.user,
+            want_route=True,
+        )
+        return await submit("chat", body, key, req)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, key: KeyDep) -> Response:
+        prompt, ids = None, None
+        if isinstance(body.prompt, str):
+            prompt = body.prompt
+        elif isinstance(body.prompt[0], str):
+            prompt = str(body.prompt[0])
+        else:
+            ids = [int(x) for x in body.prompt]
+        req = GenerateRequest(
+            request_id=new_request_id("text"),
+            model=body.model,
+            prompt=prompt,
+            prompt_token_ids=ids,
+            sampling=body.sampling(DEFAULT_TEXT_MAX_TOKENS, body.logprobs_n()),
+            priority=body.priority,
+            api_key_id=key.key_id,
+            user=body.user,
+            want_route=True,
+        )
+        return await submit("text", body, key, req)
+
+    return app

@@ -1,0 +1,445 @@
+"""One completion request through the fleet, as the OpenAI API shapes it.
+
+``CompletionRun`` is built by the chat and text-completion routes in ``app.py``: ``start``
+subscribes to the request's stream subject, publishes the ``GenerateRequest`` inside the
+``gateway.request`` span (so the traceparent rides along) and waits for the first token (an
+error before any token is a plain HTTP error, even for ``stream=true``); then ``sse`` streams
+chunks or ``collect`` builds the whole response. ``close`` always runs once: it cancels an
+unfinished request (client gone), publishes the ``UsageEvent`` for the ledger, ends the span and
+calls the route's ``on_close`` hook (in-flight count, rate-limit settlement, cache fill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi.responses import StreamingResponse
+from opentelemetry import trace
+from starlette.types import Receive, Scope, Send
+
+from libs.log import fields
+from libs.nats_util import StreamGap
+from libs.protocol import (
+    ErrorMessage,
+    Finished,
+    GenerateRequest,
+    LogprobEntry,
+    Routed,
+    StreamMessage,
+    TokenDelta,
+    UsageEvent,
+)
+from libs.telemetry import tracer
+from services.gateway import metrics
+from services.gateway.errors import ApiError
+from services.gateway.fleet import Fleet, FleetUnavailable
+
+log = logging.getLogger("strait.gateway")
+_tracer = tracer("strait.gateway")
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass
+class Outcome:
+    """What the gateway learned about one request, for the ledger and the log line."""
+
+    request_id: str
+    api_key_id: str | None
+    model: str
+    started: float = field(default_factory=time.perf_counter)
+    created_at: float = field(default_factory=time.time)
+    ttft_s: float | None = None
+    status: Literal["ok", "error", "cancelled"] = "ok"
+    error_code: str | None = None
+    error: str | None = None
+    finished: Finished | None = None
+    route_code: str = ""
+    route_factors: list[str] = field(default_factory=list)
+
+    def usage_event(self) -> UsageEvent:
+        f = self.finished
+        return UsageEvent(
+            request_id=self.request_id,
+            api_key_id=self.api_key_id,
+            pool=f.pool if f else "",
+            model=f.model if f else self.model,
+            worker_id=f.worker_id if f else "",
+            route_code=self.route_code,
+            route_factors=self.route_factors,
+            prompt_tokens=f.usage.prompt_tokens if f else 0,
+            completion_tokens=f.usage.completion_tokens if f else 0,
+            cached_tokens=f.usage.cached_tokens if f else 0,
+            queued_s=f.timings.queued_s if f else 0.0,
+            ttft_s=self.ttft_s,
+            total_s=time.perf_counter() - self.started,
+            status=self.status,
+            error_code=self.error_code,
+            error=self.error,
+            created_at=self.created_at,
+        )
+
+
+def new_request_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _logprobs_json(kind: Kind, entries: list[LogprobEntry] | None) -> Any:
+    if entries is None:
+        return None
+    if kind == "chat":
+        return {
+            "content": [
+                {
+                    "token": e.token,
+                    "logprob": e.logprob,
+                    "bytes": list(e.token.encode()),
+                    "top_logprobs": [
+                        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                        for t in e.top
+                    ],
+                }
+                for e in entries
+            ]
+        }
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+    }
+
+
+def usage_json(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _finished_usage(f: Finished) -> dict[str, Any]:
+    return usage_json(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_tokens)
+
+
+class Accumulator:
+    """The whole response assembled from token deltas (for ``collect`` and the cache)."""
+
+    def __init__(self, n: int) -> None:
+        self.texts = [""] * n
+        self.reasons: list[str | None] = [None] * n
+        self.logprobs: list[list[LogprobEntry] | None] = [None] * n
+
+    def add(self, d: TokenDelta) -> None:
+        if not 0 <= d.index < len(self.texts):
+            return
+        self.texts[d.index] += d.text
+        if d.logprobs is not None:
+            self.logprobs[d.index] = (self.logprobs[d.index] or []) + d.logprobs
+        if d.finish_reason is not None:
+            self.reasons[d.index] = d.finish_reason
+
+    def body(
+        self, kind: Kind, request_id: str, created: int, model: str, f: Finished
+    ) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for i, text in enumerate(self.texts):
+            reason = self.reasons[i] or "stop"
+            lp = _logprobs_json(kind, self.logprobs[i])
+            if kind == "chat":
+                msg = {"role": "assistant", "content": text}
+                choices.append(
+                    {"index": i, "message": msg, "logprobs": lp, "finish_reason": reason}
+                )
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+        return {
+            "id": request_id,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _finished_usage(f),
+        }
+
+
+class ChunkShaper:
+    """SSE ``data:`` lines in the shape the official SDK parses."""
+
+    def __init__(
+        self, kind: Kind, request_id: str, created: int, model: str, include_usage: bool
+    ) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def delta(self, index: int, text: str, first: bool, logprobs: Any) -> str:
+        if self.kind == "chat":
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if first else {"content": text}
+            )
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return self.chunk([choice])
+
+    def finish(self, index: int, reason: str) -> str:
+        if self.kind == "chat":
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        return self.chunk([choice])
+
+    def usage(self, usage: dict[str, Any]) -> str:
+        return self.chunk([], usage)
+
+    @staticmethod
+    def error(err: ApiError) -> str:
+        return f"data: {json.dumps(err.body())}\n\n"
+
+    DONE = "data: [DONE]\n\n"
+
+
+async def replay_sse(shaper: ChunkShaper, body: dict[str, Any]) -> AsyncIterator[str]:
+    """A cached whole response as an SSE stream (one content chunk per choice)."""
+    for c in body["choices"]:
+        text = c["message"]["content"] if shaper.kind == "chat" else c["text"]
+        yield shaper.delta(c["index"], text, True, c.get("logprobs"))
+        yield shaper.finish(c["index"], c["finish_reason"])
+    if shaper.include_usage:
+        yield shaper.usage(body["usage"])
+    yield shaper.DONE
+
+
+class SseResponse(StreamingResponse):
+    """A streaming response whose ``on_done`` runs however the response ends (even if the
+    client is gone before the body starts and the generator never runs)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], on_done: Callable[[], Any], headers: dict[str, str]
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **headers},
+        )
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._on_done())
+
+
+class CompletionRun:
+    """Drives one request: submit → first message → stream or collect → close."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        kind: Kind,
+        req: GenerateRequest,
+        api_key_id: str | None,
+        include_usage: bool,
+        on_close: Callable[[CompletionRun], None] | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.kind = kind
+        self.req = req
+        self.outcome = Outcome(request_id=req.request_id, api_key_id=api_key_id, model=req.model)
+        self.created = int(time.time())
+        self.shaper = ChunkShaper(kind, req.request_id, self.created, req.model, include_usage)
+        self.acc = Accumulator(req.sampling.n)
+        self.on_close = on_close
+        self.stack = AsyncExitStack()
+        self.messages: AsyncIterator[StreamMessage] | None = None
+        self.done = False
+        self.span = _tracer.start_span(
+            "gateway.request",
+            attributes={
+                "strait.request_id": req.request_id,
+                "strait.model": req.model,
+                "strait.kind": kind,
+            },
+        )
+
+    async def start(self) -> StreamMessage:
+        """Submit and wait for the first message; raises ApiError for an early failure."""
+        reader = self.fleet.reader(self.req)
+        await self.stack.enter_async_context(reader)
+        try:
+            with trace.use_span(self.span, end_on_exit=False):
+                await self.fleet.publish(self.req)
+        except FleetUnavailable as e:
+            await self.fail("no_worker", str(e))
+            raise ApiError(
+                503, "the serving fleet is unavailable; retry shortly", "no_worker", retry_after_s=2
+            ) from e
+        self.messages = reader.messages()
+        first = await self.next_message()
+        if isinstance(first, Routed):
+            self.outcome.route_code = first.route.code
+            self.outcome.route_factors = first.route.factors
+            self.span.set_attribute("strait.pool", first.route.pool)
+            self.span.set_attribute("strait.worker_id", first.route.worker_id)
+            first = await self.next_message()
+        if isinstance(first, ErrorMessage):
+            await self.fail(first.code, first.message)
+            raise ApiError.from_stream(first)
+        return first
+
+    async def next_message(self) -> StreamMessage:
+        assert self.messages is not None
+        try:
+            return await anext(self.messages)
+        except TimeoutError:
+            await self.fleet.cancel(self.req.request_id, "gateway_timeout")
+            await self.fail("timeout", "timed out waiting for the worker")
+            raise ApiError(504, "timed out waiting for the model", "timeout") from None
+        except StreamGap as e:
+            await self.fail("internal_error", str(e))
+            raise ApiError(500, "the token stream lost a message", "internal_error") from None
+        except StopAsyncIteration:
+            await self.fail("internal_error", "stream ended early")
+            raise ApiError(500, "the token stream ended early", "internal_error") from None
+
+    async def fail(self, code: str, message: str) -> None:
+        self.outcome.status = "error"
+        self.outcome.error_code = code
+        self.outcome.error = message
+        await self.close()
+
+    def response_body(self) -> dict[str, Any] | None:
+        """The whole (non-streaming) response, once the request finished."""
+        f = self.outcome.finished
+        if f is None or self.outcome.status != "ok":
+            return None
+        return self.acc.body(self.kind, self.req.request_id, self.created, self.req.model, f)
+
+    async def close(self) -> None:
+        """Idempotent end of the request: cancel if unfinished, usage event, span, log, hook."""
+        if self.done:
+            return
+        self.done = True
+        await self.stack.aclose()
+        o = self.outcome
+        if o.status == "ok" and o.finished is None:
+            o.status, o.error_code = "cancelled", "client_disconnected"
+            await self.fleet.cancel(self.req.request_id, "client_disconnected")
+        ev = o.usage_event()
+        await self.fleet.usage(ev)
+        metrics.REQUESTS.labels(kind=self.kind, status=o.status).inc()
+        metrics.E2E.observe(ev.total_s)
+        self.span.set_attribute("strait.status", o.status)
+        if o.status != "ok":
+            self.span.set_status(trace.StatusCode.ERROR, o.error_code or o.status)
+        self.span.end()
+        log.info(
+            "request",
+            extra=fields(
+                request_id=o.request_id,
+                kind=self.kind,
+                model=self.req.model,
+                status=o.status,
+                error=o.error_code,
+                pool=ev.pool,
+                worker_id=ev.worker_id,
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens,
+                ttft_s=round(o.ttft_s, 4) if o.ttft_s else None,
+                total_s=round(ev.total_s, 4),
+            ),
+        )
+        if self.on_close is not None:
+            self.on_close(self)
+
+    def _on_delta(self, d: TokenDelta) -> None:
+        if self.outcome.ttft_s is None:
+            self.outcome.ttft_s = time.perf_counter() - self.outcome.started
+            metrics.TTFT.observe(self.outcome.ttft_s)
+        metrics.OUTPUT_TOKENS.inc(len(d.token_ids))
+        self.acc.add(d)
+
+    # ---------------------------------------------------------------- streaming
+
+    async def sse(self, first: StreamMessage) -> AsyncIterator[str]:
+        started: set[int] = set()
+        msg: StreamMessage = first
+        try:
+            while True:
+                if isinstance(msg, TokenDelta):
+                    self._on_delta(msg)
+                    if msg.text or msg.index not in started or msg.logprobs:
+                        lp = _logprobs_json(self.kind, msg.logprobs)
+                        yield self.shaper.delta(msg.index, msg.text, msg.index not in started, lp)
+                        started.add(msg.index)
+                    if msg.finish_reason is not None:
+                        yield self.shaper.finish(msg.index, msg.finish_reason)
+                elif isinstance(msg, Finished):
+                    self.outcome.finished = msg
+                    if self.shaper.include_usage:
+                        yield self.shaper.usage(_finished_usage(msg))
+                    yield self.shaper.DONE
+                    return
+                elif isinstance(msg, ErrorMessage):
+                    await self.fail(msg.code, msg.message)
+                    yield self.shaper.error(ApiError.from_stream(msg))
+                    return
+                msg = await self.next_message()
+        except ApiError as e:
+            yield self.shaper.error(e)
+        finally:
+            # Runs on normal end and when the client disconnects (the generator is closed).
+            await asyncio.shield(self.close())
+
+    def streaming_response(
+        self, first: StreamMessage, headers: dict[str, str]
+    ) -> StreamingResponse:
+        return SseResponse(
+            self.sse(first), self.close, {"X-Request-Id": self.req.request_id, **headers}
+        )
+
+    # ---------------------------------------------------------------- whole response
+
+    async def collect(self, first: StreamMessage) -> dict[str, Any]:
+        msg = first
+        try:
+            while True:
+                if isinstance(msg, TokenDelta):
+                    self._on_delta(msg)
+                elif isinstance(msg, Finished):
+                    self.outcome.finished = msg
+                    break
+                elif isinstance(msg, ErrorMessage):
+                    await self.fail(msg.code, msg.message)
+                    raise ApiError.from_stream(msg)
+                msg = await self.next_message()
+        finally:
+            await asyncio.shield(self.close())
+        body = self.response_body()
+        assert body is not None
+        return body

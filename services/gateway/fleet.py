@@ -1,0 +1,149 @@
+"""The gateway's connection to the fleet: NATS, JetStream, and a live view of the workers.
+
+Created by the app's lifespan; handlers reach it through ``deps.get_fleet``. ``submit`` is the
+one way a request leaves the gateway: subscribe to its stream subject, publish the request to
+the JetStream requests stream, hand back a reader. ``cancel`` tells workers to free a request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from libs.log import fields
+from libs.nats_util import StreamReader, connect, provision
+from libs.protocol import (
+    CancelRequest,
+    GenerateRequest,
+    KvEvent,
+    ProtocolError,
+    Subjects,
+    UsageEvent,
+    WorkerBeat,
+    decode,
+    encode,
+)
+from libs.registry import WorkerRegistry
+from libs.settings import Settings
+from libs.telemetry import inject_headers
+
+log = logging.getLogger("strait.gateway")
+
+# Stream messages one request may have waiting in the gateway: every token of every choice
+# plus a few control messages, so a fast worker never overruns a slow reader (a dropped
+# message would stall the stream). Capped: n (≤ 16) × a 4k context.
+STREAM_BUFFER_MAX = 16 * 4096 + 16
+
+
+class FleetUnavailable(Exception):
+    """The request could not be handed to the fleet (NATS or JetStream down)."""
+
+
+class Fleet:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.registry = WorkerRegistry(settings.router.worker_ttl_s)
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings.nats, "gateway")
+        self.js = self.nc.jetstream()
+        await provision(self.js, self.settings.nats)
+        await self.nc.subscribe(self.subjects.beats_all, cb=self._on_beat)
+        await self.nc.subscribe(self.subjects.kv_events_all, cb=self._on_kv)
+
+    async def stop(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _on_beat(self, msg: Msg) -> None:
+        try:
+            self.registry.on_beat(decode(msg.data, WorkerBeat))
+        except ProtocolError:
+            pass
+
+    async def _on_kv(self, msg: Msg) -> None:
+        try:
+            self.registry.on_kv_event(decode(msg.data, KvEvent))
+        except ProtocolError:
+            pass
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def live_workers(self) -> int:
+        self.registry.expire()
+        return len(self.registry.workers)
+
+    def reader(self, req: GenerateRequest) -> StreamReader:
+        assert self.nc is not None
+        g = self.settings.gateway
+        return StreamReader(
+            self.nc,
+            req.reply_subject or self.subjects.stream(req.request_id),
+            g.first_message_timeout_s,
+            g.idle_timeout_s,
+            max_pending=min(req.sampling.n * req.sampling.max_tokens + 16, STREAM_BUFFER_MAX),
+        )
+
+    async def publish(self, req: GenerateRequest) -> None:
+        """Put the request on the JetStream requests stream (call inside the reader's context)."""
+        if self.js is None or not self.connected:
+            raise FleetUnavailable("not connected to NATS")
+        try:
+            await self.js.publish(
+                self.subjects.requests, encode(req), headers=inject_headers(), timeout=2.0
+            )
+        except Exception as e:
+            raise FleetUnavailable(f"could not queue the request: {e!r}") from e
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        if self.nc is None or not self.connected:
+            return
+        try:
+            await self.nc.publish(
+                self.subjects.cancel(request_id),
+                encode(CancelRequest(request_id=request_id, reason=reason)),
+            )
+        except Exception as e:
+            log.warning("cancel publish failed", extra=fields(request_id=request_id, error=repr(e)))
+
+    async def usage(self, ev: UsageEvent) -> None:
+        """Hand the usage event to the ledger stream (JetStream, so it survives a DB outage)."""
+        if self.js is None:
+            return
+        try:
+            await self.js.publish(self.subjects.event("usage"), encode(ev), timeout=2.0)
+        except Exception as e:
+            log.error(
+                "usage event publish failed", extra=fields(request_id=ev.request_id, error=repr(e))
+            )
+
+    def pools_for(self, model: str) -> set[str]:
+        """The pools a request for ``model`` may land in (as the router resolves it)."""
+        configured = {p.name: p.model for p in self.settings.pools}
+        live = self.registry.pools()
+        if model in configured or model in live:
+            return {model}
+        by_model = {m: p for p, m in configured.items()} | self.registry.model_pools()
+        if model in by_model:
+            return {by_model[model]}
+        if model == "auto":
+            return set(configured) | live
+        return set()
+
+    def queue_depth(self, model: str) -> int | None:
+        """Waiting requests ahead of ``model``: the least loaded of its pools that has live
+        workers (sum of ``waiting`` in their beats); None when no such pool is live."""
+        depths = [
+            sum(w.beat.waiting for w in workers)
+            for workers in (self.registry.live(p) for p in self.pools_for(model))
+            if workers
+        ]
+        return min(depths) if depths else None
