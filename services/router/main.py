@@ -1,0 +1,136 @@
+"""``strait router``: pull requests from JetStream, place them, keep the worker registry fresh.
+
+Three things run side by side:
+
+- the request loop: fetch a batch from the durable consumer ``router`` (replicas share it, so
+  each request is routed once) → ``Router.handle`` each concurrently (bounded) → ack;
+- subscriptions to every worker's beats and KV events, feeding the registry (each replica builds
+  the same registry from the same subjects);
+- the sweep, every ``router.sweep_interval_s``: expire workers whose beats stopped, place their
+  not-yet-started requests again, forget watched requests past ``router.watch_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import FetchTimeoutError
+
+from libs.log import fields
+from libs.nats_util import connect, ensure_consumer, provision, work_queue_consumer
+from libs.protocol import KvEvent, ProtocolError, Subjects, WorkerBeat, decode
+from libs.registry import WorkerRegistry
+from libs.runtime import ServiceContext, run_service
+from libs.settings import Settings, get_settings
+from services.router import metrics
+from services.router.router import Router
+
+log = logging.getLogger("strait.router")
+
+ROUTER_DURABLE = "router"
+FETCH_BATCH = 32
+FETCH_TIMEOUT_S = 0.5
+MAX_CONCURRENT_DECISIONS = 64
+
+
+async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None = None) -> None:
+    """The router service body; ``on_router`` (tests) receives the Router once it is built."""
+    s = ctx.settings
+    subjects = Subjects(s.nats.subject_prefix)
+    nc = await connect(s.nats, "router")
+    js = nc.jetstream()
+    await provision(js, s.nats)
+    ack_wait = s.router.assign_timeout_s * 4 + 5
+    await ensure_consumer(
+        js, s.nats.requests_stream, work_queue_consumer(ROUTER_DURABLE, subjects.requests, ack_wait)
+    )
+    registry = WorkerRegistry(s.router.worker_ttl_s)
+    router = Router(nc, js, s, registry)
+    if on_router is not None:
+        on_router(router)
+
+    async def on_beat(msg: Msg) -> None:
+        try:
+            registry.on_beat(decode(msg.data, WorkerBeat))
+        except ProtocolError as e:
+            log.warning("bad beat", extra=fields(subject=msg.subject, error=str(e)))
+
+    async def on_kv(msg: Msg) -> None:
+        try:
+            registry.on_kv_event(decode(msg.data, KvEvent))
+        except ProtocolError as e:
+            log.warning("bad kv event", extra=fields(subject=msg.subject, error=str(e)))
+
+    await nc.subscribe(subjects.beats_all, cb=on_beat)
+    await nc.subscribe(subjects.kv_events_all, cb=on_kv)
+    psub = await js.pull_subscribe(
+        subjects.requests, durable=ROUTER_DURABLE, stream=s.nats.requests_stream
+    )
+    ctx.ready = lambda: nc.is_connected
+    slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
+    inflight: set[asyncio.Task[None]] = set()
+
+    def spawn(coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.create_task(coro)
+        inflight.add(t)
+        t.add_done_callback(inflight.discard)
+
+    async def handle(msg: Msg) -> None:
+        try:
+            await router.handle(msg)
+        except Exception:
+            log.exception("routing failed")
+        finally:
+            slots.release()
+
+    async def replace(worker_id: str) -> None:
+        try:
+            await router.worker_lost(worker_id)
+        except Exception:
+            log.exception("re-placement failed", extra=fields(worker_id=worker_id))
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(s.router.sweep_interval_s)
+            for gone in registry.expire():
+                log.info("worker expired", extra=fields(worker_id=gone))
+                spawn(replace(gone))
+            await router.watch.sweep()
+            metrics.WATCHED.set(len(router.watch.watched))
+            for pool in {p.name for p in s.pools} | registry.pools():
+                metrics.LIVE_WORKERS.labels(pool=pool).set(len(registry.live(pool)))
+
+    sweeper = asyncio.create_task(sweep())
+    log.info("router ready", extra=fields(pools=[p.name for p in s.pools]))
+    try:
+        while not ctx.stopping.is_set():
+            try:
+                msgs = await psub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
+            except (FetchTimeoutError, NatsTimeout, TimeoutError):
+                continue
+            for m in msgs:
+                await slots.acquire()
+                spawn(handle(m))
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        if inflight:
+            await asyncio.wait(inflight, timeout=10)
+        await router.watch.close()
+        # NOTE: a pull subscription's queue keeps the fetch status messages it never hands out,
+        # so draining it waits for drain_timeout; nothing is pending on it here, drop it first.
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+        await nc.drain()
+
+
+def main(settings: Settings | None = None) -> int:
+    settings = settings or get_settings()
+    return run_service("router", serve, settings, http_port=settings.router.metrics_port)

@@ -1,0 +1,27 @@
+"""Prometheus metrics of the router process."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter("strait_router_decisions_total", "Routing decisions", ["pool", "reason"])
+DECISION_SECONDS = Histogram(
+    "strait_router_decision_seconds",
+    "Time to decide a placement (classify, hash the prompt, rank the workers)",
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
+)
+QUEUE_SECONDS = Histogram(
+    "strait_router_queue_seconds",
+    "Request publish to routing decision",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+OVERLAP_BLOCKS = Histogram(
+    "strait_router_overlap_blocks",
+    "Prompt blocks the chosen worker already held",
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+LIVE_WORKERS = Gauge("strait_router_live_workers", "Workers with a fresh beat", ["pool"])
+WATCHED = Gauge("strait_router_watched_requests", "Requests placed and awaiting a first token")
+UNWATCHED = Counter(
+    "strait_router_unwatched_total", "Requests not watched for re-placement (router.max_watched)"
+)
+REPLACED = Counter("strait_router_replaced_total", "Requests placed again after a worker was lost")
+REJECTED = Counter("strait_router_rejected_total", "Requests answered with an error", ["code"])

@@ -1,0 +1,85 @@
+"""Placement inside a pool: the worker with the lowest cost.
+
+    cost(w) = overlap_weight * uncached_prompt_tokens(w) / prefill_norm_tokens
+            + load_weight    * (running + waiting + pending) / capacity
+
+The first term is the prefill work the worker would still have to do (the prompt's leading
+blocks it already holds, from its KV events, are free); ``prefill_norm_tokens`` says how many
+uncached prompt tokens weigh as much as one fully loaded worker. The second is its decode load
+from its last beat, plus the assignments this router made since (``pending``), so a burst does
+not pile onto the worker whose beat looked idle. As in Dynamo's KV router, a long shared prefix
+pulls a request to the worker that holds it until that worker is loaded enough to outweigh it.
+
+Costs within ``tie_epsilon`` of the best are ties, and one of them is chosen at random: several
+router replicas with the same view (and no knowledge of each other's pending work) then spread
+a burst over the equally good workers instead of herding onto the first one.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from libs.registry import WorkerView
+
+
+@dataclass(slots=True)
+class CostWeights:
+    overlap_weight: float = 1.0
+    load_weight: float = 1.0
+    prefill_norm_tokens: int = 1024
+    tie_epsilon: float = 0.05
+
+
+@dataclass(slots=True)
+class Placement:
+    worker: WorkerView
+    cost: float
+    overlap_blocks: int
+    prefill_cost: float
+    load_cost: float
+
+
+def worker_cost(
+    view: WorkerView, prompt_tokens: int, overlap_blocks: int, w: CostWeights
+) -> Placement:
+    cached = min(overlap_blocks * view.beat.block_size, prompt_tokens)
+    prefill = w.overlap_weight * (prompt_tokens - cached) / max(w.prefill_norm_tokens, 1)
+    load = w.load_weight * view.load
+    return Placement(view, prefill + load, overlap_blocks, prefill, load)
+
+
+def rank(
+    workers: list[WorkerView],
+    prompt_tokens: int,
+    overlaps: dict[str, int],
+    weights: CostWeights,
+    rng: random.Random,
+    top: int = 4,
+) -> list[Placement]:
+    """The ``top`` best workers, best first: a random one of the near-best, then by cost."""
+    if not workers:
+        return []
+    # NOTE: the hot loop of a decision (every live worker of the pool); kept to plain tuples,
+    # Placement objects are built for the few that can be offered.
+    prefill_per_token = weights.overlap_weight / max(weights.prefill_norm_tokens, 1)
+    scored = []
+    for i, v in enumerate(workers):
+        b = v.beat
+        cached = min(overlaps.get(b.worker_id, 0) * b.block_size, prompt_tokens)
+        load = (
+            weights.load_weight * (b.running + b.waiting + len(v.pending_at)) / max(b.capacity, 1)
+        )
+        scored.append((prefill_per_token * (prompt_tokens - cached) + load, i))
+    scored.sort()
+    best = scored[0][0]
+    n_ties = 1
+    while n_ties < len(scored) and scored[n_ties][0] - best <= weights.tie_epsilon:
+        n_ties += 1
+    if n_ties > 1:
+        pick = rng.randrange(n_ties)
+        scored[0], scored[pick] = scored[pick], scored[0]
+    return [
+        worker_cost(workers[i], prompt_tokens, overlaps.get(workers[i].worker_id, 0), weights)
+        for _, i in scored[:top]
+    ]

@@ -1,0 +1,399 @@
+"""The router's decisions: request → pool → worker → assignment.
+
+``Router.handle`` is called once per message pulled from the requests stream (by
+``services.router.main``):
+
+    decode + validate → decide (pool, ranked workers; no I/O) → offer to the best workers in
+    turn until one accepts → record (RouteDecision event, span attributes, metrics) → ack
+
+``decide`` picks the pool (an explicit pool or model name wins; ``auto`` is classified), spills
+to another allowed pool when the chosen one has no live worker (``router.spill_over``) or every
+worker in it is saturated (``router.saturation_spill``), hashes the prompt's prefix blocks the
+way the pool's workers do, and ranks the pool's live workers by cost (``placement``). Every
+outcome carries a ``RouteReason``; no worker anywhere → a typed ``no_worker`` error with
+``retry_after_s`` on the request's stream.
+
+A placed request is watched until its first token (``watch``); when its worker's beats stop
+first, ``worker_lost`` places it again on another worker (code ``replaced``, ``attempt + 1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+
+from libs.log import fields
+from libs.protocol import (
+    Assignment,
+    AssignmentAck,
+    ErrorCode,
+    ErrorMessage,
+    GenerateRequest,
+    ProtocolError,
+    RouteDecision,
+    RouteReason,
+    Subjects,
+    decode,
+    encode,
+    validate_request,
+)
+from libs.registry import WorkerRegistry, WorkerView
+from libs.settings import Settings
+from libs.telemetry import extract_context, inject_headers, tracer
+from services.deadletter import dead_letter
+from services.router import metrics
+from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classifier, prompt_text
+from services.router.placement import CostWeights, Placement, rank
+from services.router.prefix import PrefixHashers
+from services.router.watch import StartWatch
+
+log = logging.getLogger("strait.router")
+
+# Workers offered one decision before the router gives up with no_capacity.
+MAX_OFFERS = 4
+
+
+@dataclass
+class PoolChoice:
+    pool: str
+    code: str  # explicit_pool | explicit_model | auto_small | auto_large | auto_single_pool
+    score: float | None = None
+    factors: list[str] = field(default_factory=list)
+    # Pools the request may run in, preferred first (spill-over targets after ``pool``).
+    allowed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    pool: str
+    code: str
+    score: float | None
+    factors: list[str]
+    ranked: list[Placement]
+    decide_s: float = 0.0
+
+    def route(self, p: Placement) -> RouteReason:
+        return RouteReason(
+            pool=self.pool,
+            worker_id=p.worker.worker_id,
+            code=self.code,
+            score=self.score,
+            factors=[*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"],
+            overlap_blocks=p.overlap_blocks,
+            cost=round(p.cost, 4),
+        )
+
+
+@dataclass
+class Rejection:
+    code: ErrorCode
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+
+class Router:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        settings: Settings,
+        registry: WorkerRegistry,
+        classifier: Classifier | None = None,
+        hashers: PrefixHashers | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.nc, self.js, self.settings = nc, js, settings
+        self.cfg = settings.router
+        self.registry = registry
+        self.classifier = classifier or build_classifier(settings)
+        self.hashers = hashers or PrefixHashers(settings)
+        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.rng = rng or random.Random()
+        self.weights = CostWeights(
+            self.cfg.overlap_weight,
+            self.cfg.load_weight,
+            self.cfg.prefill_norm_tokens,
+            self.cfg.tie_epsilon,
+        )
+        self._configured_models = {p.name: p.model for p in settings.pools}
+        self.watch = StartWatch(nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s)
+        self._tracer = tracer("strait.router")
+
+    # ------------------------------------------------------------ pool choice
+
+    def pool_models(self) -> dict[str, str]:
+        """pool → model, configured pools first, then pools only seen in beats."""
+        return self._configured_models | {
+            p: m for p, m in self.registry.pool_model.items() if p not in self._configured_models
+        }
+
+    def choose_pool(self, req: GenerateRequest) -> PoolChoice | None:
+        """The pool for ``req`` and the pools it may spill to; None: its model is not served."""
+        models = self.pool_models()
+        if req.model in models:
+            same = [p for p, m in models.items() if m == models[req.model] and p != req.model]
+            return PoolChoice(req.model, "explicit_pool", allowed=[req.model, *same])
+        serving = [p for p, m in models.items() if m == req.model]
+        if serving:
+            return PoolChoice(serving[0], "explicit_model", allowed=serving)
+        if req.model != "auto":
+            return None
+        d = self.classifier.classify(req)
+        small, large = self.cfg.small_pool, self.cfg.large_pool
+        rest = sorted(p for p in models if p not in (small, large))
+        if small in models and large in models:
+            if d.score >= self.cfg.large_threshold:
+                return PoolChoice(large, "auto_large", d.score, d.factors, [large, small, *rest])
+            return PoolChoice(small, "auto_small", d.score, d.factors, [small, large, *rest])
+        default = self.cfg.default_pool
+        first = default if default in models else sorted(models)[0]
+        others = [p for p in sorted(models) if p != first]
+        return PoolChoice(first, "auto_single_pool", d.score, d.factors, [first, *others])
+
+    # ------------------------------------------------------------ the decision
+
+    def decide(
+        self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
+    ) -> Decision | Rejection:
+        """Pool and ranked workers for ``req`` (no I/O; timed as the routing overhead)."""
+        t0 = time.perf_counter()
+        choice = self.choose_pool(req)
+        if choice is None:
+            return Rejection("model_not_found", f"model {req.model!r} is not served here", "model")
+        now = time.monotonic()
+        live = {p: self._live(p, exclude, now) for p in choice.allowed}
+        pool, code, factors = choice.pool, choice.code, list(choice.factors)
+        workers = live[pool]
+        spill = [p for p in choice.allowed[1:] if live[p]]
+        if not workers:
+            if not (self.cfg.spill_over and spill):
+                return Rejection(
+                    "no_worker",
+                    f"no live worker in pool {pool!r}"
+                    + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
+                    retry_after_s=self.cfg.retry_after_s,
+                )
+            factors.append(f"no_live_worker:{pool}")
+            pool, code = spill[0], "spill_over"
+        elif self.cfg.saturation_spill and _min_load(workers) >= self.cfg.saturation_load:
+            roomy = [p for p in spill if _min_load(live[p]) < self.cfg.saturation_load]
+            if roomy:
+                factors.append(f"saturated:{pool}")
+                pool, code = roomy[0], "spill_saturated"
+        workers = live[pool]
+        queue = sum([w.beat.waiting + len(w.pending_at) for w in workers])
+        if queue >= self.cfg.max_pool_queue:
+            return Rejection(
+                "no_capacity",
+                f"pool {pool!r} has {queue} queued requests (router.max_pool_queue="
+                f"{self.cfg.max_pool_queue})",
+                retry_after_s=self.cfg.retry_after_s,
+            )
+        first = workers[0].beat
+        hashes, n_tokens = self.prefix(req, pool, first.model, first.block_size)
+        overlaps = self.registry.overlaps(hashes) if hashes else {}
+        ranked = rank(workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS)
+        return Decision(pool, code, choice.score, factors, ranked, time.perf_counter() - t0)
+
+    def prefix(
+        self, req: GenerateRequest, pool: str, model: str, block_size: int
+    ) -> tuple[list[int], int]:
+        """The prompt's block chain hashes for ``pool`` and its length in tokens (estimated
+        from characters when the pool's tokenizer is unknown)."""
+        ids = self.hashers.hasher(pool, model).token_ids(req)
+        if ids is None:
+            return [], len(prompt_text(req)) // CHARS_PER_TOKEN
+        return self.hashers.chain(ids, block_size, model), len(ids)
+
+    def _live(self, pool: str, exclude: frozenset[str], now: float) -> list[WorkerView]:
+        return [w for w in self.registry.live(pool, now=now) if w.worker_id not in exclude]
+
+    # ------------------------------------------------------------ one message
+
+    async def handle(self, msg: Msg) -> None:
+        """Route one request message; always acks it (errors are answered, not redelivered)."""
+        try:
+            req = decode(msg.data, GenerateRequest)
+            validate_request(req)
+        except ProtocolError as e:
+            await self._reject_malformed(msg, e)
+            await msg.ack()
+            return
+        ctx = extract_context(msg.headers)
+        with self._tracer.start_as_current_span(
+            "router.route", context=ctx, attributes={"strait.request_id": req.request_id}
+        ) as span:
+            route = await self.place(req)
+            if route is not None:
+                span.set_attributes(_span_attributes(route))
+        await msg.ack()
+
+    async def place(
+        self, req: GenerateRequest, attempt: int = 1, exclude: frozenset[str] = frozenset()
+    ) -> RouteReason | None:
+        """Decide, then offer ``req`` to the ranked workers until one accepts."""
+        decision = self.decide(req, exclude)
+        if isinstance(decision, Rejection):
+            await self.watch.started(req.request_id)
+            await self.reply_error(req, decision)
+            return None
+        if attempt > 1:
+            decision.code = "replaced"
+            decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
+        queued_s = max(time.time() - req.created_at, 0.0)
+        if attempt == 1:
+            metrics.QUEUE_SECONDS.observe(queued_s)
+        # NOTE: count the assignment before the first await: decisions of concurrent requests
+        # interleave at every await, and must see each other's choices or they all herd onto
+        # the worker that looked idlest in the last beat.
+        reserved = self.registry.on_assigned(decision.ranked[0].worker.worker_id)
+        watched = self.cfg.replace_lost and await self.watch.watch(req)
+        for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
+            route = decision.route(p)
+            if i > 0:
+                reserved = self.registry.on_assigned(route.worker_id)
+            if await self.offer(req, route, attempt, queued_s):
+                if watched:
+                    self.watch.assigned(req.request_id, route, attempt)
+                await self.record(req, route, decision.decide_s)
+                return route
+            self.registry.on_refused(route.worker_id, reserved)
+        await self.watch.started(req.request_id)
+        await self.reply_error(
+            req,
+            Rejection(
+                "no_capacity",
+                f"no worker in pool {decision.pool!r} accepted the request",
+                retry_after_s=self.cfg.retry_after_s,
+            ),
+        )
+        return None
+
+    async def worker_lost(self, worker_id: str) -> None:
+        """``worker_id`` stopped beating: place its not-yet-started requests again."""
+        for w in self.watch.on_worker_lost(worker_id):
+            if w.attempt >= self.cfg.max_attempts:
+                await self.watch.started(w.req.request_id)
+                await self.reply_error(
+                    w.req,
+                    Rejection(
+                        "worker_lost",
+                        f"worker {worker_id!r} was lost before the first token, "
+                        f"{w.attempt} attempts (router.max_attempts)",
+                        retry_after_s=self.cfg.retry_after_s,
+                    ),
+                )
+                continue
+            metrics.REPLACED.inc()
+            log.info(
+                "re-placing request of a lost worker",
+                extra=fields(
+                    request_id=w.req.request_id, worker_id=worker_id, attempt=w.attempt + 1
+                ),
+            )
+            with self._tracer.start_as_current_span(
+                "router.replace", attributes={"strait.request_id": w.req.request_id}
+            ) as span:
+                route = await self.place(w.req, w.attempt + 1, frozenset(w.lost))
+                if route is not None:
+                    span.set_attributes(_span_attributes(route))
+
+    async def offer(
+        self, req: GenerateRequest, route: RouteReason, attempt: int, queued_s: float
+    ) -> bool:
+        a = Assignment(request=req, route=route, attempt=attempt, queued_s=queued_s)
+        try:
+            reply = await self.nc.request(
+                self.subjects.work(route.worker_id),
+                encode(a),
+                timeout=self.cfg.assign_timeout_s,
+                headers=inject_headers(),
+            )
+        except (NatsTimeout, NoRespondersError, TimeoutError):
+            log.warning(
+                "worker did not accept",
+                extra=fields(request_id=req.request_id, worker_id=route.worker_id),
+            )
+            return False
+        try:
+            ack = msgspec.json.decode(reply.data, type=AssignmentAck)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        return ack.accepted
+
+    async def record(self, req: GenerateRequest, route: RouteReason, decision_s: float) -> None:
+        """The decision's reason in metrics, the events stream and the log."""
+        metrics.DECISIONS.labels(pool=route.pool, reason=route.code).inc()
+        metrics.DECISION_SECONDS.observe(decision_s)
+        metrics.OVERLAP_BLOCKS.observe(route.overlap_blocks)
+        ev = RouteDecision(request_id=req.request_id, route=route, decision_s=decision_s)
+        try:
+            await self.js.publish(self.subjects.event("route"), encode(ev), timeout=1.0)
+        except Exception as e:  # the event stream is for observers; never block routing on it
+            log.warning("route event publish failed", extra=fields(error=repr(e)))
+        log.info(
+            "routed",
+            extra=fields(
+                request_id=req.request_id,
+                pool=route.pool,
+                worker_id=route.worker_id,
+                reason=route.code,
+                score=route.score,
+                factors=route.factors,
+                overlap_blocks=route.overlap_blocks,
+                cost=route.cost,
+                decision_ms=round(decision_s * 1000, 3),
+            ),
+        )
+
+    async def reply_error(self, req: GenerateRequest, r: Rejection) -> None:
+        metrics.REJECTED.labels(code=r.code).inc()
+        log.info("rejected", extra=fields(request_id=req.request_id, code=r.code, error=r.message))
+        err = ErrorMessage(
+            seq=1,
+            request_id=req.request_id,
+            code=r.code,
+            message=r.message,
+            param=r.param,
+            retry_after_s=r.retry_after_s,
+        )
+        await self.nc.publish(
+            req.reply_subject or self.subjects.stream(req.request_id), encode(err)
+        )
+
+    async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
+        metrics.REJECTED.labels(code=e.code).inc()
+        if e.request_id and "." not in e.request_id and "*" not in e.request_id:
+            err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
+            await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
+        else:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "router")
+
+
+def _min_load(workers: list[WorkerView]) -> float:
+    return min((w.load for w in workers), default=float("inf"))
+
+
+def _span_attributes(route: RouteReason) -> dict[str, str | int | float | list[str]]:
+    attrs: dict[str, str | int | float | list[str]] = {
+        "strait.pool": route.pool,
+        "strait.worker_id": route.worker_id,
+        "strait.route_reason": route.code,
+        "strait.route_factors": route.factors,
+        "strait.overlap_blocks": route.overlap_blocks,
+    }
+    if route.score is not None:
+        attrs["strait.difficulty"] = route.score
+    if route.cost is not None:
+        attrs["strait.route_cost"] = route.cost
+    return attrs

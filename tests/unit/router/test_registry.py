@@ -1,0 +1,56 @@
+"""The worker registry: beats, expiry, KV-event block index, pending assignments."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.protocol import KvEvent
+from libs.registry import WorkerRegistry
+from tests.unit.router.helpers import beat, hold
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_worker_that_misses_beats_is_dropped_with_its_blocks() -> None:
+    r = WorkerRegistry(ttl_s=1.0)
+    r.on_beat(beat("a"), now=100.0)
+    r.on_beat(beat("b"), now=100.0)
+    hold(r, "a", [1, 2])
+    r.on_beat(beat("b"), now=100.8)
+    assert {v.worker_id for v in r.live("default", now=101.05)} == {"b"}
+    assert r.expire(now=101.05) == ["a"]
+    assert set(r.workers) == {"b"} and r.holders == {}
+    assert r.overlaps([1, 2]) == {}
+
+
+def test_draining_and_other_pools_are_not_live() -> None:
+    r = WorkerRegistry(ttl_s=10.0)
+    r.on_beat(beat("a", draining=True))
+    r.on_beat(beat("b", pool="large"))
+    assert r.live("default") == [] and len(r.live("large")) == 1
+
+
+def test_overlap_is_the_held_leading_chain() -> None:
+    r = WorkerRegistry(ttl_s=10.0)
+    for w in "abcd":
+        r.on_beat(beat(w))
+    hold(r, "a", [1, 2, 3])
+    hold(r, "b", [1, 2])
+    hold(r, "c", [2, 3])  # not the first block: no usable prefix
+    assert r.overlaps([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    r.on_kv_event(KvEvent(worker_id="a", model="m", evicted=[2]))
+    assert r.overlaps([1, 2, 3]) == {"a": 1, "b": 2}
+    r.on_kv_event(KvEvent(worker_id="b", model="m", cleared=True, stored=[9]))
+    assert r.overlaps([1, 2, 3]) == {"a": 1} and r.overlaps([9]) == {"b": 1}
+
+
+def test_pending_assignments_last_until_a_beat_can_show_them() -> None:
+    r = WorkerRegistry(ttl_s=10.0)
+    r.on_beat(beat("a"), now=0.0)
+    r.on_assigned("a", now=0.1)
+    r.on_beat(beat("a", running=1), now=0.2)  # may have been sent before the assignment landed
+    assert r.workers["a"].pending == 1
+    r.on_assigned("a", now=0.3)
+    r.on_beat(beat("a", running=2), now=0.4)  # a full period later: the first is counted
+    assert r.workers["a"].pending == 1
+    assert r.workers["a"].load == pytest.approx(0.3)
