@@ -1,0 +1,1 @@
+"""Runnable examples of Strait's NATS API (docs/nats-api.md); each has `run()` and `main()`."""

@@ -1,0 +1,60 @@
+"""Python client of Strait's NATS API for internal teams (docs/nats-api.md).
+
+async with StraitClient("nats://...", api_key_id="team-x") as client:
+    async with client.generate("Hello", max_tokens=32) as gen:
+        async for delta in gen:
+            print(delta.text, end="")
+    print(gen.usage)
+    done = await client.complete(messages=[{"role": "user", "content": "Hi"}])
+    async for ev in client.observe("usage", durable="team-x"):
+        ...
+"""
+
+from libs.client.client import Completion, Generation, RequestOptions, StraitClient
+from libs.client.errors import (
+    ERROR_CLASSES,
+    Cancelled,
+    ContextLengthExceeded,
+    FleetUnavailable,
+    IncompleteStream,
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    NoCapacity,
+    NoWorker,
+    PayloadTooLarge,
+    RateLimited,
+    Retryable,
+    StraitError,
+    Timeout,
+    UnsupportedVersion,
+    WorkerLost,
+    error_from_message,
+)
+from libs.client.observe import Observer
+
+__all__ = [
+    "ERROR_CLASSES",
+    "Cancelled",
+    "Completion",
+    "ContextLengthExceeded",
+    "FleetUnavailable",
+    "Generation",
+    "IncompleteStream",
+    "InternalError",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoCapacity",
+    "NoWorker",
+    "Observer",
+    "PayloadTooLarge",
+    "RateLimited",
+    "RequestOptions",
+    "Retryable",
+    "StraitClient",
+    "StraitError",
+    "Timeout",
+    "UnsupportedVersion",
+    "WorkerLost",
+    "error_from_message",
+]

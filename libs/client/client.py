@@ -1,0 +1,517 @@
+"""``StraitClient``: internal teams' asyncio client for the NATS API (docs/nats-api.md).
+
+One request, over the wire::
+
+    subscribe <prefix>.stream.<request_id>         (before publishing, so nothing is missed)
+    JetStream publish GenerateRequest → <prefix>.requests   (PubAck: the request is queued)
+    read Routed? TokenDelta* (Finished | ErrorMessage) in seq order
+    on early close / timeout: publish CancelRequest → <prefix>.cancel.<request_id>
+    at the end (report_usage): JetStream publish UsageEvent → <prefix>.events.usage
+
+``generate`` returns a :class:`Generation`: an async iterator of ``TokenDelta`` whose ``finished``
+/ ``usage`` are set once the stream ends; ``complete`` collects it into a :class:`Completion`.
+Errors are raised as the typed exceptions of ``libs.client.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict, Unpack, cast
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError, NoRespondersError
+from nats.js.errors import NoStreamResponseError
+
+from libs.client.errors import (
+    FleetUnavailable,
+    IncompleteStream,
+    InvalidRequest,
+    PayloadTooLarge,
+    StraitError,
+    Timeout,
+    error_from_message,
+)
+from libs.client.observe import Observer
+from libs.nats_util import StreamGap, StreamReader
+from libs.protocol import (
+    CancelRequest,
+    ChatMessage,
+    ErrorMessage,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Priority,
+    ProtocolError,
+    Routed,
+    RouteReason,
+    SamplingParams,
+    StreamMessage,
+    Subjects,
+    TokenDelta,
+    Usage,
+    UsageEvent,
+    decode,
+    encode,
+    validate_request,
+)
+from libs.telemetry import inject_headers
+
+log = logging.getLogger("strait.client")
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+MessageLike = ChatMessage | Mapping[str, str]
+
+
+class RequestOptions(TypedDict, total=False):
+    """Fields of one request, named as in the HTTP API (see ``SamplingParams`` for ranges)."""
+
+    model: str
+    messages: Sequence[MessageLike]
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    stop: str | Sequence[str]
+    stop_token_ids: Sequence[int]
+    seed: int | None
+    n: int
+    logprobs: int | None
+    ignore_eos: bool
+    priority: Priority
+    user: str | None
+    request_id: str
+    want_route: bool
+    first_token_timeout_s: float
+    idle_timeout_s: float
+
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+@dataclass
+class Completion:
+    """The whole result of one request (``complete``): text per choice and the final usage."""
+
+    request_id: str
+    texts: list[str]
+    finish_reasons: list[FinishReason | None]
+    finished: Finished
+    route: RouteReason | None = None
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+    @property
+    def usage(self) -> Usage:
+        return self.finished.usage
+
+
+class StraitClient:
+    """A client of the fleet over NATS. Use as ``async with StraitClient(url) as client:``.
+
+    ``nc`` is a nats-py connection (the caller keeps owning it) or a URL (the client connects on
+    ``__aenter__``/``connect()`` and closes on exit). ``api_key_id`` is stamped on every request
+    and usage event to attribute usage; it is *not* a credential (see docs/nats-api.md,
+    "Authentication"). ``max_payload`` caps request size below the server's own limit.
+    """
+
+    def __init__(
+        self,
+        nc: NATS | str = DEFAULT_URL,
+        *,
+        prefix: str = "strait.v1",
+        api_key_id: str | None = None,
+        events_stream: str = "STRAIT_EVENTS",
+        max_payload: int | None = None,
+        first_token_timeout_s: float = 120.0,
+        idle_timeout_s: float = 60.0,
+        report_usage: bool = True,
+        name: str = "strait-client",
+    ) -> None:
+        self._nc: NATS | None = None if isinstance(nc, str) else nc
+        self._url = nc if isinstance(nc, str) else ""
+        self._owns_connection = isinstance(nc, str)
+        self.subjects = Subjects(prefix)
+        self.api_key_id = api_key_id
+        self.events_stream = events_stream
+        self.max_payload = max_payload
+        self.first_token_timeout_s = first_token_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.report_usage = report_usage
+        self.name = name
+
+    @classmethod
+    def from_settings(cls, settings: Any, nc: NATS | None = None, **kwargs: Any) -> StraitClient:
+        """A client configured like the fleet: prefix, events stream, max_payload, timeouts."""
+        n, g = settings.nats, settings.gateway
+        kwargs.setdefault("first_token_timeout_s", g.first_message_timeout_s)
+        kwargs.setdefault("idle_timeout_s", g.idle_timeout_s)
+        return cls(
+            nc if nc is not None else n.url,
+            prefix=n.subject_prefix,
+            events_stream=n.events_stream,
+            max_payload=n.max_payload,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------ connection
+
+    async def connect(self) -> StraitClient:
+        if self._nc is None:
+            self._nc = await nats.connect(
+                servers=[self._url],
+                name=self.name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+            )
+        return self
+
+    async def close(self) -> None:
+        if self._owns_connection and self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        if self._owns_connection:
+            self._nc = None
+
+    async def __aenter__(self) -> StraitClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise StraitError(
+                "not connected: use `async with StraitClient(...)` or `await connect()`",
+                code="not_connected",
+            )
+        return self._nc
+
+    # ------------------------------------------------------------ requests
+
+    def request(self, prompt: str | None = None, **opts: Unpack[RequestOptions]) -> GenerateRequest:
+        """The ``GenerateRequest`` that ``generate`` would publish (validated; raises InvalidRequest)."""
+        fields: dict[str, Any] = dict(opts)
+        for key in ("first_token_timeout_s", "idle_timeout_s"):
+            fields.pop(key, None)
+        sampling = {k: fields.pop(k) for k in list(fields) if k in _SAMPLING_FIELDS}
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        for key in ("stop", "stop_token_ids"):
+            if key in sampling:
+                sampling[key] = list(sampling[key])
+        messages = fields.pop("messages", None)
+        ids = fields.pop("prompt_token_ids", None)
+        raw: dict[str, Any] = {
+            "request_id": fields.pop("request_id", None) or f"nats-{uuid.uuid4().hex}",
+            "prompt": prompt,
+            "prompt_token_ids": list(ids) if ids is not None else None,
+            "messages": None if messages is None else [_message(m) for m in messages],
+            "sampling": sampling,
+            "api_key_id": self.api_key_id,
+            **fields,
+        }
+        try:
+            # Round trip through the wire decoder: the same checks the router makes, before sending.
+            req = decode(msgspec.json.encode(raw), GenerateRequest)
+            validate_request(req)
+        except ProtocolError as e:
+            raise InvalidRequest(str(e), request_id=str(raw["request_id"])) from None
+        return req
+
+    def generate(self, prompt: str | None = None, **opts: Unpack[RequestOptions]) -> Generation:
+        """Start streaming one request: ``async with client.generate(...) as gen: async for d in gen``.
+
+        Yields ``TokenDelta``s (``.index`` is the choice when ``n > 1``); afterwards
+        ``gen.finished`` / ``gen.usage`` hold the final message. Leaving early cancels the request.
+        """
+        first = opts.get("first_token_timeout_s", self.first_token_timeout_s)
+        idle = opts.get("idle_timeout_s", self.idle_timeout_s)
+        return Generation(self, self.request(prompt, **opts), first, idle)
+
+    async def complete(
+        self, prompt: str | None = None, **opts: Unpack[RequestOptions]
+    ) -> Completion:
+        """Run one request to the end and return its text(s) and usage."""
+        async with self.generate(prompt, **opts) as gen:
+            n = gen.request.sampling.n
+            texts = [""] * n
+            reasons: list[FinishReason | None] = [None] * n
+            token_ids: list[list[int]] = [[] for _ in range(n)]
+            async for d in gen:
+                texts[d.index] += d.text
+                token_ids[d.index].extend(d.token_ids)
+                if d.finish_reason is not None:
+                    reasons[d.index] = d.finish_reason
+        assert gen.finished is not None
+        return Completion(gen.request_id, texts, reasons, gen.finished, gen.route, token_ids)
+
+    def submit_raw(
+        self, payload: bytes, request_id: str, *, first_token_timeout_s: float = 10.0
+    ) -> Generation:
+        """Publish ``payload`` as-is and read ``request_id``'s stream: for probing bad input.
+
+        The fleet answers a malformed request that names a usable ``request_id`` with a typed
+        ``ErrorMessage`` on that request's stream; this raises it like ``generate`` would.
+        """
+        req = GenerateRequest(request_id=request_id, prompt="")
+        return Generation(self, req, first_token_timeout_s, first_token_timeout_s, payload=payload)
+
+    async def cancel(self, request_id: str, reason: str = "client_cancelled") -> None:
+        """Ask the worker running ``request_id`` to stop and free its blocks (fire and forget)."""
+        msg = CancelRequest(request_id=request_id, reason=reason)
+        await self.nc.publish(self.subjects.cancel(request_id), encode(msg))
+
+    def observe(
+        self,
+        kind: Literal["usage", "route"],
+        durable: str | None = None,
+        *,
+        deliver: Literal["all", "new"] = "all",
+        batch: int = 64,
+        max_idle_s: float | None = None,
+    ) -> Observer:
+        """Iterate the fleet's usage events or routing decisions with a consumer of your own."""
+        return Observer(
+            self.nc,
+            self.subjects,
+            self.events_stream,
+            kind,
+            durable,
+            deliver=deliver,
+            batch=batch,
+            max_idle_s=max_idle_s,
+        )
+
+    def payload_limit(self) -> int:
+        """Bytes a request may take: the server's ``max_payload``, or ours when smaller."""
+        server = self.nc.max_payload
+        return min(server, self.max_payload) if self.max_payload else server
+
+
+def _message(m: MessageLike) -> dict[str, str]:
+    if isinstance(m, ChatMessage):
+        return {"role": m.role, "content": m.content}
+    return {"role": m["role"], "content": m["content"]}
+
+
+def _headers_size(headers: Mapping[str, str]) -> int:
+    """Bytes NATS counts for ``headers`` against max_payload ("NATS/1.0\\r\\n", "k: v\\r\\n"…, "\\r\\n")."""
+    return 10 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2 if headers else 0
+
+
+class Generation:
+    """One request's token stream; see ``StraitClient.generate``.
+
+    An async iterator of ``TokenDelta`` and an async context manager. The request is published
+    on ``__aenter__`` (or the first ``__anext__``); leaving before the end — ``break``, an
+    exception, a timeout, task cancellation — publishes a ``CancelRequest`` so the worker frees it.
+    """
+
+    def __init__(
+        self,
+        client: StraitClient,
+        request: GenerateRequest,
+        first_token_timeout_s: float,
+        idle_timeout_s: float,
+        payload: bytes | None = None,
+    ) -> None:
+        self.client = client
+        self.request = request
+        self.first_token_timeout_s = first_token_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._payload = payload
+        self.finished: Finished | None = None
+        self.route: RouteReason | None = None
+        self.error: StraitError | None = None
+        self.ttft_s: float | None = None
+        self._reader: StreamReader | None = None
+        # Weak: the generator's frame holds this object, and a cycle would keep an abandoned
+        # stream (``break`` out of ``async for`` without ``async with``) alive until the cyclic
+        # GC, delaying its cancel. With a weak reference it is finalized, and cancelled, at once.
+        self._iter: weakref.ref[AsyncGenerator[TokenDelta, None]] | None = None
+        self._started_at = 0.0
+        self._done = False
+        self._ending: asyncio.Future[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def usage(self) -> Usage | None:
+        """Token counts from the final ``Finished`` message (None until the stream has ended)."""
+        return self.finished.usage if self.finished is not None else None
+
+    async def __aenter__(self) -> Generation:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        it = self._iter() if self._iter is not None else None
+        if it is None:
+            it = self._deltas()
+            self._iter = weakref.ref(it)
+        return it
+
+    async def start(self) -> None:
+        """Subscribe to the stream subject, then queue the request (idempotent)."""
+        if self._reader is not None:
+            return
+        c = self.client
+        data = self._payload if self._payload is not None else encode(self.request)
+        headers = inject_headers()
+        size, limit = len(data) + _headers_size(headers), c.payload_limit()
+        if size > limit:
+            raise PayloadTooLarge(
+                f"request is {size} bytes; the limit is {limit} bytes (the NATS server's "
+                "max_payload, or settings nats.max_payload); send a shorter prompt",
+                request_id=self.request_id,
+                param="prompt",
+            )
+        subject = c.subjects.stream(self.request_id)
+        reader = StreamReader(c.nc, subject, self.first_token_timeout_s, self.idle_timeout_s)
+        await reader.__aenter__()
+        self._reader = reader
+        self._started_at = time.perf_counter()
+        try:
+            await c.nc.jetstream().publish(c.subjects.requests, data, headers=headers, timeout=5.0)
+        except MaxPayloadError as e:
+            await self._close_reader()
+            raise PayloadTooLarge(str(e), request_id=self.request_id, param="prompt") from None
+        except (NoStreamResponseError, NoRespondersError) as e:
+            await self._close_reader()
+            raise FleetUnavailable(
+                f"no JetStream stream takes {c.subjects.requests!r} (is the fleet up, with prefix "
+                f"{c.subjects.prefix!r}?): {e!r}",
+                request_id=self.request_id,
+            ) from None
+        except Exception as e:
+            await self._close_reader()
+            raise FleetUnavailable(
+                f"could not queue the request: {e!r}", request_id=self.request_id
+            ) from None
+
+    async def aclose(self) -> None:
+        """Stop reading; cancels the request on the fleet if it has not ended."""
+        it = self._iter() if self._iter is not None else None
+        if it is not None:
+            await it.aclose()
+        await self._end()
+
+    async def _deltas(self) -> AsyncGenerator[TokenDelta, None]:
+        await self.start()
+        assert self._reader is not None
+        messages = cast(AsyncGenerator[StreamMessage, None], self._reader.messages())
+        try:
+            async for msg in messages:
+                if isinstance(msg, TokenDelta):
+                    if self.ttft_s is None:
+                        self.ttft_s = time.perf_counter() - self._started_at
+                    yield msg
+                elif isinstance(msg, Routed):
+                    self.route = msg.route
+                elif isinstance(msg, Finished):
+                    self.finished, self._done = msg, True
+                elif isinstance(msg, ErrorMessage):
+                    self._done = True
+                    self.error = error_from_message(msg)
+                    raise self.error
+        except StreamGap as e:
+            self.error = IncompleteStream(str(e), request_id=self.request_id)
+            raise self.error from None
+        except TimeoutError as e:
+            if isinstance(e, StraitError):
+                raise
+            which = (
+                "first message" if self.ttft_s is None and self.route is None else "next message"
+            )
+            limit = self.first_token_timeout_s if which == "first message" else self.idle_timeout_s
+            self.error = Timeout(
+                f"no {which} within {limit:g}s (first_token_timeout_s / idle_timeout_s)",
+                request_id=self.request_id,
+            )
+            raise self.error from None
+        finally:
+            await messages.aclose()
+            await self._end()
+
+    async def _end(self) -> None:
+        """Cancel if unfinished, unsubscribe, report usage: once, whoever gets here first."""
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self._end_once())
+        await asyncio.shield(self._ending)
+
+    async def _end_once(self) -> None:
+        if self._reader is None:
+            return
+        await self._close_reader()
+        if not self._done:
+            self._done = True
+            try:
+                await self.client.cancel(self.request_id, "client_closed")
+            except Exception as e:  # connection gone: the worker finishes and nobody reads
+                log.warning(
+                    "cancel publish failed",
+                    extra={"fields": {"request_id": self.request_id, "error": repr(e)}},
+                )
+        if self.client.report_usage and self._payload is None:
+            await self._report_usage()
+
+    async def _close_reader(self) -> None:
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            await reader.__aexit__(None, None, None)
+
+    async def _report_usage(self) -> None:
+        f, err = self.finished, self.error
+        status: Literal["ok", "error", "cancelled"] = "ok"
+        if f is None:
+            status = "error" if err is not None and err.code != "cancelled" else "cancelled"
+        route = self.route
+        ev = UsageEvent(
+            request_id=self.request_id,
+            api_key_id=self.request.api_key_id,
+            pool=f.pool if f else route.pool if route else "",
+            model=f.model if f else self.request.model,
+            worker_id=f.worker_id if f else route.worker_id if route else "",
+            route_code=route.code if route else "",
+            route_factors=list(route.factors) if route else [],
+            prompt_tokens=f.usage.prompt_tokens if f else 0,
+            completion_tokens=f.usage.completion_tokens if f else 0,
+            cached_tokens=f.usage.cached_tokens if f else 0,
+            queued_s=f.timings.queued_s if f else 0.0,
+            ttft_s=self.ttft_s,
+            total_s=time.perf_counter() - self._started_at,
+            status=status,
+            error_code=err.code if err is not None else None,
+            error=err.message if err is not None else None,
+            created_at=self.request.created_at,
+            source="nats-client",
+        )
+        c = self.client
+        try:
+            await c.nc.jetstream().publish(c.subjects.event("usage"), encode(ev), timeout=2.0)
+        except Exception as e:
+            log.warning(
+                "usage event publish failed",
+                extra={"fields": {"request_id": self.request_id, "error": repr(e)}},
+            )
