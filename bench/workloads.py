@@ -1,0 +1,352 @@
+"""Synthetic, seeded request workloads for the serving benchmark.
+
+No dataset can be downloaded here, so prompts are composed from small banks of natural-ish
+phrases. Request ``i`` of a workload depends only on ``(workload, seed, i)`` and the options, so
+``--num-requests 50`` is the first 50 requests of ``--num-requests 500`` and two targets (or two
+arrival rates) always see the same prompts.
+
+Workloads:
+
+- ``chat``: short everyday questions, short answers (32-128 output tokens).
+- ``shared-prefix``: a long common system prompt (a company handbook of ``prefix_words`` words,
+  the same for every request of a seed) followed by a varied question about it - the RAG-like
+  shape that a prefix cache should speed up; short answers (32-96 tokens).
+- ``code``: programming tasks asking for long outputs (256-512 tokens).
+- ``mixed``: each request is chat (50%), shared-prefix (30%) or code (20%).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+WORKLOADS: tuple[str, ...] = ("chat", "shared-prefix", "code", "mixed")
+DEFAULT_PREFIX_WORDS = 600
+_MIXED_WEIGHTS: tuple[tuple[str, float], ...] = (
+    ("chat", 0.5),
+    ("shared-prefix", 0.3),
+    ("code", 0.2),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request of a workload, independent of the API used to send it."""
+
+    index: int
+    kind: str  # "chat" | "shared-prefix" | "code"
+    system: str | None
+    user: str
+    max_tokens: int
+
+    def messages(self) -> list[dict[str, str]]:
+        """The request as chat messages for /v1/chat/completions."""
+        messages = []
+        if self.system:
+            messages.append({"role": "system", "content": self.system})
+        messages.append({"role": "user", "content": self.user})
+        return messages
+
+    def prompt(self) -> str:
+        """The request as one plain-text prompt for /v1/completions."""
+        head = f"{self.system}\n\n" if self.system else ""
+        return f"{head}Question: {self.user}\nAnswer:"
+
+
+# ---------------------------------------------------------------------------------------------
+# Phrase banks.
+
+_TASKS = (
+    "keep basil alive on a windowsill",
+    "fix a squeaky door hinge",
+    "get rid of fruit flies in the kitchen",
+    "make a sourdough starter from scratch",
+    "clean a cast iron pan without ruining it",
+    "fall asleep faster after a late coffee",
+    "prepare for a first half marathon",
+    "remove a red wine stain from a carpet",
+    "back up photos from an old phone",
+    "learn to touch type in a month",
+    "store fresh herbs so they last longer",
+    "plan a vegetable garden for a small balcony",
+    "write a polite reminder email to a landlord",
+    "choose a good pair of hiking boots",
+    "teach a dog to stop pulling on the leash",
+    "organise a cluttered garage in a weekend",
+)
+_PAIRS = (
+    ("baking soda", "baking powder"),
+    ("a virus", "a bacterium"),
+    ("weather", "climate"),
+    ("a lake", "a pond"),
+    ("an alligator", "a crocodile"),
+    ("a Roth IRA", "a traditional IRA"),
+    ("latitude", "longitude"),
+    ("espresso", "drip coffee"),
+    ("a comet", "an asteroid"),
+    ("RAM", "disk storage"),
+    ("jam", "jelly"),
+    ("a hurricane", "a typhoon"),
+)
+_CONCEPTS = (
+    "compound interest",
+    "how vaccines train the immune system",
+    "why the sky is blue",
+    "how a refrigerator keeps food cold",
+    "what inflation means for savings",
+    "how tides are caused by the moon",
+    "how noise cancelling headphones work",
+    "why bread rises",
+    "how a bill becomes law",
+    "what a carbon footprint is",
+)
+_ACTIVITIES = (
+    "a long train journey",
+    "working from home",
+    "hosting a dinner for eight people",
+    "a rainy weekend with kids",
+    "studying for an exam",
+    "cycling to work in winter",
+    "a first visit to a farmers market",
+    "camping in the mountains",
+)
+_CONTEXTS = (
+    "I am a complete beginner.",
+    "I only have about ten minutes.",
+    "Please keep it short.",
+    "My budget is quite tight.",
+    "I live in a small flat.",
+    "Explain it like I am twelve.",
+    "",
+    "",
+)
+
+_FIRST_NAMES = (
+    "Amara", "Bruno", "Chen", "Dalia", "Emeka", "Freya", "Gustavo", "Hana", "Idris", "Jonas",
+    "Keiko", "Lucia", "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Samir", "Tove",
+)  # fmt: skip
+_LAST_NAMES = (
+    "Okafor", "Lindqvist", "Moreau", "Tanaka", "Haddad", "Novak", "Fernandes", "Kowalski",
+    "Brennan", "Ivanova", "Mensah", "Schultz", "Delgado", "Park", "Rahman", "Whitfield",
+)  # fmt: skip
+_CITIES = (
+    "Lisbon", "Toronto", "Nairobi", "Osaka", "Tallinn", "Austin", "Lyon", "Melbourne",
+    "Bogota", "Krakow", "Dublin", "Singapore", "Porto", "Denver", "Seoul", "Accra",
+)  # fmt: skip
+_TEAMS = (
+    "billing", "onboarding", "data platform", "mobile", "security", "logistics", "design",
+    "customer success", "payments", "search", "infrastructure", "analytics",
+)  # fmt: skip
+_PRODUCT_WORDS = (
+    "Harbor", "Lumen", "Cobalt", "Fjord", "Ember", "Atlas", "Quarry", "Nimbus", "Sable", "Vista",
+)  # fmt: skip
+_PRODUCT_SUFFIXES = ("Sync", "Desk", "Flow", "Vault", "Pulse", "Board")
+_FEATURES = (
+    "unlimited shared workspaces",
+    "daily encrypted backups",
+    "single sign-on for every member",
+    "a dedicated support engineer",
+    "audit logs kept for two years",
+    "offline mode on mobile devices",
+    "priority access to new releases",
+    "custom domains and branding",
+    "usage reports by team",
+    "an uptime guarantee of 99.9 percent",
+)
+_POLICIES = (
+    ("refunds", "Refunds are granted within {n} days of purchase when the customer has used "
+     "less than a quarter of the included quota."),
+    ("urgent support tickets", "Support tickets marked urgent must receive a first reply "
+     "within {n} minutes during business hours."),
+    ("remote work", "Employees may work remotely up to {n} days per month after their first "
+     "quarter."),
+    ("deleting customer data", "Customer data is deleted {n} days after an account is closed "
+     "unless a legal hold applies."),
+    ("price changes", "Price changes are announced to existing customers at least {n} days "
+     "in advance."),
+    ("on-call rotations", "Each team reviews its on-call rotation every {n} weeks and "
+     "publishes the schedule."),
+)  # fmt: skip
+
+_LANGUAGES = ("Python", "TypeScript", "Go", "Rust")
+_CODE_TASKS = (
+    ("parse_duration", "parses durations such as '1h30m' or '45s' into a number of seconds"),
+    ("merge_intervals", "merges overlapping closed intervals and returns them sorted"),
+    ("lru_cache", "implements a fixed-capacity least-recently-used cache with get and put"),
+    ("word_frequencies", "counts word frequencies in a text, ignoring case and punctuation"),
+    ("validate_iban", "validates an IBAN using the mod-97 checksum"),
+    ("rate_limiter", "implements a token-bucket rate limiter with a refill rate and burst size"),
+    ("topological_sort", "returns a topological order of a dependency graph or reports a cycle"),
+    ("csv_to_json", "converts CSV text with a header row into a list of JSON objects"),
+    ("retry_with_backoff", "retries a failing operation with exponential backoff and jitter"),
+    ("binary_search_range", "finds the first and last index of a value in a sorted list"),
+    ("roman_numerals", "converts integers to Roman numerals and back"),
+    ("diff_lines", "computes a line-by-line diff of two texts using longest common subsequence"),
+)
+_CODE_EXTRAS = (
+    "Include type annotations and a docstring, then write unit tests for the edge cases.",
+    "Explain the time complexity after the code and show an example call.",
+    "Handle invalid input with clear error messages and add tests for them.",
+    "Write it in an idiomatic style and add a short README section describing its use.",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generators.
+
+
+def _request_rng(seed: int, index: int) -> random.Random:
+    # String seeds are hashed with SHA-512, so this is stable across runs and platforms.
+    return random.Random(f"strait-bench:{seed}:{index}")
+
+
+def _chat_question(rng: random.Random) -> str:
+    shape = rng.randrange(4)
+    if shape == 0:
+        question = f"How do I {rng.choice(_TASKS)}?"
+    elif shape == 1:
+        a, b = rng.choice(_PAIRS)
+        question = f"What is the difference between {a} and {b}?"
+    elif shape == 2:
+        question = f"Can you explain {rng.choice(_CONCEPTS)}?"
+    else:
+        question = f"Give me {rng.randint(3, 7)} tips for {rng.choice(_ACTIVITIES)}."
+    context = rng.choice(_CONTEXTS)
+    return f"{question} {context}".strip()
+
+
+@dataclass(frozen=True, slots=True)
+class _Handbook:
+    """The shared system prompt of a seed and the facts its questions can ask about."""
+
+    text: str
+    questions: tuple[str, ...]
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}"
+
+
+def build_handbook(seed: int, words: int = DEFAULT_PREFIX_WORDS) -> _Handbook:
+    """A company handbook of at least ``words`` words, deterministic in ``seed``."""
+    rng = random.Random(f"strait-bench-handbook:{seed}")
+    company = f"{rng.choice(_PRODUCT_WORDS)}{rng.choice(('works', 'labs', 'soft', 'ly'))}"
+    header = (
+        f"You are the support assistant of {company}. Answer questions from customers and "
+        f"employees using only the handbook below. If the handbook does not say, answer that "
+        f"you do not know. Be brief and precise.\n\n# {company} handbook\n"
+    )
+    paragraphs: list[str] = []
+    questions: list[str] = []
+    count = len(header.split())
+    teams = list(_TEAMS)
+    rng.shuffle(teams)
+    products = [f"{w} {s}" for w in _PRODUCT_WORDS for s in _PRODUCT_SUFFIXES]
+    rng.shuffle(products)
+    policies = list(_POLICIES)
+    rng.shuffle(policies)
+    section = 0
+    while count < words:
+        # Cycle teams, products and policies so each section adds facts of a new entity.
+        kind = section % 3
+        if (kind == 0 and not teams) or (kind == 2 and not policies):
+            kind = 1  # products outlast the other banks
+        if kind == 0:
+            team = teams.pop()
+            lead, city = _person(rng), rng.choice(_CITIES)
+            year, size = rng.randint(2009, 2023), rng.randint(4, 60)
+            paragraphs.append(
+                f"## The {team} team\nThe {team} team is based in {city} and is led by {lead}. "
+                f"It was founded in {year} and has {size} members. Questions about {team} "
+                f"should be sent to the team channel first; {lead.split()[0]} holds office "
+                f"hours every {rng.choice(('Monday', 'Tuesday', 'Wednesday', 'Thursday'))}."
+            )
+            questions += [
+                f"Who leads the {team} team?",
+                f"Where is the {team} team based?",
+                f"How many members does the {team} team have, and when was it founded?",
+            ]
+        elif kind == 1 and products:
+            product = products.pop()
+            price = rng.choice((9, 12, 19, 29, 49, 79, 99, 149))
+            feats = rng.sample(_FEATURES, 2)
+            paragraphs.append(
+                f"## {product}\n{product} costs ${price} per user per month. It includes "
+                f"{feats[0]} and {feats[1]}. Annual plans get two months free, and customers "
+                f"can switch plans at any time from the account page."
+            )
+            questions += [
+                f"How much does {product} cost?",
+                f"What does {product} include?",
+                f"Can I get a discount on {product} if I pay yearly?",
+            ]
+        elif kind == 2:
+            topic, template = policies.pop()
+            policy = template.format(n=rng.choice((7, 14, 30, 45, 60, 90)))
+            paragraphs.append(f"## Policy on {topic}\n{policy}")
+            questions.append(f"What is the policy on {topic}?")
+        else:
+            # Every bank is used up: repeat a section so the prompt still reaches its length.
+            paragraphs.append(paragraphs[rng.randrange(len(paragraphs))])
+        count += len(paragraphs[-1].split())
+        section += 1
+    return _Handbook(text=header + "\n\n".join(paragraphs), questions=tuple(questions))
+
+
+def _code_request(rng: random.Random) -> str:
+    name, spec = rng.choice(_CODE_TASKS)
+    language = rng.choice(_LANGUAGES)
+    return f"Write a {language} function `{name}` that {spec}. {rng.choice(_CODE_EXTRAS)}"
+
+
+def _mixed_kind(rng: random.Random) -> str:
+    draw = rng.random()
+    acc = 0.0
+    for kind, weight in _MIXED_WEIGHTS:
+        acc += weight
+        if draw < acc:
+            return kind
+    return _MIXED_WEIGHTS[-1][0]
+
+
+def generate(
+    workload: str,
+    num_requests: int,
+    seed: int = 0,
+    *,
+    max_tokens: int | None = None,
+    prefix_words: int = DEFAULT_PREFIX_WORDS,
+) -> list[BenchRequest]:
+    """The first ``num_requests`` requests of ``workload`` for ``seed``.
+
+    ``max_tokens`` replaces each kind's sampled output length when given.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    handbook: _Handbook | None = None
+    requests: list[BenchRequest] = []
+    for index in range(num_requests):
+        rng = _request_rng(seed, index)
+        kind = _mixed_kind(rng) if workload == "mixed" else workload
+        system: str | None = None
+        if kind == "chat":
+            user, sampled = _chat_question(rng), rng.randint(32, 128)
+        elif kind == "shared-prefix":
+            if handbook is None:
+                handbook = build_handbook(seed, prefix_words)
+            system = handbook.text
+            user, sampled = rng.choice(handbook.questions), rng.randint(32, 96)
+        else:
+            user, sampled = _code_request(rng), rng.randint(256, 512)
+        requests.append(
+            BenchRequest(
+                index=index,
+                kind=kind,
+                system=system,
+                user=user,
+                max_tokens=max_tokens if max_tokens is not None else sampled,
+            )
+        )
+    return requests
