@@ -1,0 +1,96 @@
+"""The real fleet on the real default model: HTTP in, SSE out, tokens equal to transformers'.
+
+Router, one aggregated worker on SmolLM2-135M-Instruct and the gateway run as separate
+processes on a real nats-server; the official ``openai`` SDK is the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from libs.settings import Settings
+from tests.support.procs import ProcessFleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REAL_FLEET = """
+[gateway]
+auth_enabled = false
+[engine]
+kv_cache_bytes = 134217728
+max_num_seqs = 16
+[[pools]]
+name = "default"
+model = "smollm2-135m-instruct"
+backend = "engine"
+"""
+
+QUESTIONS = ["Name three rivers.", "What is 2 + 2?", "Say hello in French.", "Why is the sky blue?"]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from libs.models import prepare_model
+
+    return prepare_model("smollm2-135m-instruct", Settings(), progress=False)
+
+
+def reference_texts(model_dir: Path) -> list[str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for q in QUESTIONS:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(tok.decode(gen[0, len(ids) :], skip_special_tokens=True))
+    return out
+
+
+def test_concurrent_streams_equal_generate(tmp_path: Path, nats_url: str, smollm2: Path) -> None:
+    from openai import AsyncOpenAI
+
+    expected = reference_texts(smollm2)
+    env = {
+        "STRAIT_NATS__SUBJECT_PREFIX": "real.v1",
+        "STRAIT_MODELS__DIR": str(smollm2.parent.resolve()),
+    }
+    with ProcessFleet(tmp_path, nats_url, REAL_FLEET, env=env, ready_timeout_s=180) as fleet:
+        client = AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0)
+
+        async def ask(q: str) -> tuple[str, int]:
+            stream = await client.chat.completions.create(
+                model="auto",
+                messages=[{"role": "user", "content": q}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, completion_tokens = "", 0
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.usage is not None:
+                    completion_tokens = chunk.usage.completion_tokens
+            return text, completion_tokens
+
+        async def all_at_once() -> list[tuple[str, int]]:
+            try:
+                return await asyncio.gather(*(ask(q) for q in QUESTIONS))
+            finally:
+                await client.close()
+
+        results = asyncio.run(all_at_once())
+    assert [t for t, _ in results] == expected
+    assert all(0 < n <= MAX_TOKENS for _, n in results)

@@ -1,0 +1,85 @@
+"""`strait up`: starts its own nats-server when none answers, prints the URL and a dev key,
+serves a request, and stops every process on SIGINT (Ctrl-C)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.services import free_port
+
+pytestmark = pytest.mark.e2e
+
+FAKE_FLEET = """
+[router]
+metrics_port = 0
+[[pools]]
+name = "default"
+model = "fake-model"
+backend = "fake"
+"""
+
+
+def test_up_runs_the_fleet_and_ctrl_c_stops_it(tmp_path: Path) -> None:
+    (tmp_path / "strait.toml").write_text(FAKE_FLEET)
+    nats_port, gw_port = free_port(), free_port()
+    env = dict(os.environ)
+    env.update(
+        STRAIT_CONFIG=str(tmp_path / "strait.toml"),
+        NATS_URL=f"nats://127.0.0.1:{nats_port}",  # nothing listens there: `up` starts one
+        STRAIT_STATE_DIR=str(tmp_path / "state"),
+        STRAIT_GATEWAY__PORT=str(gw_port),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DATABASE_URL", None)
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "fleet ready" not in log.read_text() or "development API key" not in log.read_text():
+            assert up.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{gw_port}" in text
+        assert "started nats-server" in text
+        key = (tmp_path / "state" / "dev-api-key").read_text().strip()
+        assert key in text
+        assert (tmp_path / "state" / "strait.db").exists()  # SQLite by default
+        base = f"http://127.0.0.1:{gw_port}"
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "default", "prompt": "hi", "max_tokens": 3},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert (
+            httpx.post(
+                f"{base}/v1/completions", json={"model": "default", "prompt": "x"}
+            ).status_code
+            == 401
+        )
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 4  # nats-server, router, worker, gateway
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=40)
+    assert code == 0, log.read_text()
+    assert "fleet stopped" in log.read_text()
+    _gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, [p.pid for p in alive]
