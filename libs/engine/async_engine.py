@@ -23,10 +23,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
-from libs.engine.engine import LLMEngine, StepOutput
+from libs.engine.engine import LLMEngine, Resume, StepOutput
+from libs.engine.kv_transfer import KvBlocks
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import EngineSettings, Settings
 
@@ -42,11 +44,31 @@ class _Add:
     token_ids: list[int]
     sampling: SamplingParams
     priority: Priority
+    resume: Resume | None = None
+    # Export the prompt's full blocks on the engine thread the moment the request finishes
+    # (before a later step can evict them); delivered as a PrefillResult.
+    export: bool = False
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Import:
+    kv: KvBlocks
+    done: asyncio.Future[int]
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What :meth:`AsyncEngineBackend.prefill` returns: the request's only output chunk (its
+    first token, or its end) and the prompt's full KV blocks (None when none is full)."""
+
+    request_id: str
+    chunk: GenerationChunk
+    kv: KvBlocks | None
 
 
 _END = object()  # stream sentinel: the request was aborted, no more chunks
@@ -70,7 +92,7 @@ class AsyncEngineBackend:
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Import] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, asyncio.Queue[Any]] = {}
@@ -79,6 +101,7 @@ class AsyncEngineBackend:
         self._events_lock = threading.Lock()
         self._stored: list[int] = []
         self._evicted: list[int] = []
+        self._exports: dict[str, list[int]] = {}  # request id → prompt ids (engine thread only)
 
     @classmethod
     def from_settings(cls, settings: Settings, model_name: str) -> AsyncEngineBackend:
@@ -163,15 +186,43 @@ class AsyncEngineBackend:
         prompt: PreparedPrompt,
         sampling: SamplingParams,
         priority: Priority,
+        resume: Resume | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream chunks until every choice finished; closing early aborts the request."""
+        """Stream chunks until every choice finished; closing early aborts the request.
+        ``resume``: the first token was sampled by a prefill worker (KV handoff)."""
+        add = _Add(request_id, list(prompt.token_ids), sampling, priority, resume)
+        async for item in self._run_request(add):
+            assert isinstance(item, StepOutput)
+            yield item.chunk
+
+    async def prefill(
+        self, request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, priority: Priority
+    ) -> PrefillResult:
+        """Compute the prompt and sample the first token only (the prefill worker's half of a
+        disaggregated request); the prompt's blocks stay in this engine's prefix cache."""
+        first = msgspec.structs.replace(sampling, max_tokens=1)
+        add = _Add(request_id, list(prompt.token_ids), first, priority, export=True)
+        async for item in self._run_request(add):
+            if isinstance(item, PrefillResult):
+                return item
+        raise BackendError("internal_error", "the prefill ended without output")
+
+    async def import_prefix(self, kv: KvBlocks) -> int:
+        """Put handed-off or cached blocks into the prefix cache (on the engine thread); the
+        next request with that prefix gets them as hits. Returns the blocks new here."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._submit(_Import(kv, done))
+        return await done
+
+    async def _run_request(self, add: _Add) -> AsyncIterator[StepOutput | PrefillResult]:
         if self._thread is None:
             raise BackendError("internal_error", "the engine is not started")
+        request_id = add.request_id
         if request_id in self._streams:
             raise BackendError("invalid_request", f"request {request_id!r} is already running")
         stream: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._submit(_Add(request_id, list(prompt.token_ids), sampling, priority))
+        self._submit(add)
         done = False
         try:
             while True:
@@ -181,9 +232,13 @@ class AsyncEngineBackend:
                 if isinstance(item, BaseException):
                     done = True  # the engine already dropped it
                     raise item
+                if isinstance(item, PrefillResult):
+                    done = True
+                    yield item
+                    return
                 out: StepOutput = item
-                done = out.request_finished
-                yield out.chunk
+                done = out.request_finished and not add.export
+                yield out
                 if done:
                     return
         finally:
@@ -216,7 +271,7 @@ class AsyncEngineBackend:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _submit(self, cmd: _Add | _Abort) -> None:
+    def _submit(self, cmd: _Add | _Abort | _Import) -> None:
         self._inbox.put(cmd)
         self._wake.set()
 
@@ -237,7 +292,7 @@ class AsyncEngineBackend:
                 continue
             self._update_load()
             if outputs:
-                self._deliver(outputs)
+                self._deliver([self._with_export(engine, out) for out in outputs])
 
     def _drain_inbox(self, engine: LLMEngine) -> None:
         changed = False
@@ -249,13 +304,39 @@ class AsyncEngineBackend:
             changed = True
             if isinstance(cmd, _Abort):
                 engine.abort_request(cmd.request_id)
+                self._exports.pop(cmd.request_id, None)
+                continue
+            if isinstance(cmd, _Import):
+                self._import(engine, cmd)
                 continue
             try:
-                engine.add_request(cmd.request_id, cmd.token_ids, cmd.sampling, cmd.priority)
+                engine.add_request(
+                    cmd.request_id, cmd.token_ids, cmd.sampling, cmd.priority, cmd.resume
+                )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)
+                continue
+            if cmd.export:
+                self._exports[cmd.request_id] = cmd.token_ids
         if changed:
             self._update_load()
+
+    def _with_export(self, engine: LLMEngine, out: StepOutput) -> StepOutput | PrefillResult:
+        """A finished prefill-only request: export its prompt's blocks now, while cached."""
+        if not out.request_finished or out.request_id not in self._exports:
+            return out
+        prompt = self._exports.pop(out.request_id)
+        return PrefillResult(out.request_id, out.chunk, engine.export_prefix(prompt))
+
+    def _import(self, engine: LLMEngine, cmd: _Import) -> None:
+        assert self._loop is not None
+        try:
+            n = engine.import_prefix(cmd.kv)
+        except ValueError as e:
+            err = BackendError("invalid_request", f"KV blocks do not fit this engine: {e}")
+            self._loop.call_soon_threadsafe(_set_exception, cmd.done, err)
+            return
+        self._loop.call_soon_threadsafe(_set_result, cmd.done, n)
 
     def _fail_all(self, engine: LLMEngine, error: BackendError) -> None:
         for request_id in list(engine.requests):
@@ -263,7 +344,7 @@ class AsyncEngineBackend:
             self._deliver_error(request_id, error)
         self._update_load()
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput | PrefillResult]) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._put_outputs, outputs)
 
@@ -271,7 +352,7 @@ class AsyncEngineBackend:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._put_error, request_id, error)
 
-    def _put_outputs(self, outputs: list[StepOutput]) -> None:
+    def _put_outputs(self, outputs: list[StepOutput | PrefillResult]) -> None:
         """On the event loop: route each output to its request's stream."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -300,3 +381,13 @@ class AsyncEngineBackend:
             capacity=self.settings.max_num_seqs,
             block_size=self.settings.block_size,
         )
+
+
+def _set_result(fut: asyncio.Future[int], n: int) -> None:
+    if not fut.done():
+        fut.set_result(n)
+
+
+def _set_exception(fut: asyncio.Future[int], e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

@@ -55,6 +55,16 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 @dataclass(slots=True)
+class Resume:
+    """A request whose first output token was sampled elsewhere (the prefill worker of a KV
+    handoff). The decode engine appends it as if it had sampled it — same detokenizer, stop and
+    penalty state, same seeded random stream — and continues from the second token."""
+
+    token_id: int
+    logprobs: LogprobEntry | None = None
+
+
+@dataclass(slots=True)
 class _Request:
     request_id: str
     sampling: SamplingParams
@@ -88,6 +98,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
+        # Resumed sequences whose given first token is reported by the next step.
+        self._resumed: list[Sequence] = []
 
     @classmethod
     def from_path(
@@ -107,8 +119,14 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         sampling: SamplingParams,
         priority: Priority = "interactive",
+        resume: Resume | None = None,
     ) -> None:
-        """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed)."""
+        """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
+
+        With ``resume`` (n = 1 only), the first output token is given, not sampled; it is
+        reported in the next step's output."""
+        if resume is not None and sampling.n != 1:
+            raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
             raise BackendError("invalid_request", f"request {request_id!r} is already running")
         if not prompt_token_ids:
@@ -131,6 +149,12 @@ class LLMEngine:
             )
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), sampling, priority)
         self.requests[request_id] = _Request(request_id, sampling, [seq])
+        if resume is not None:
+            self.sampler.skip(sampling, seq.generator, self.runner.shape.vocab_size)
+            self._append(seq, resume.token_id, resume.logprobs)
+            self._resumed.append(seq)
+            if seq.is_finished:
+                return
         self.scheduler.add(seq)
 
     def _new_sequence(
@@ -176,14 +200,17 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward, sample, and report new output."""
+        resumed, self._resumed = self._resumed, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._collect(resumed)
         logits = self.runner.execute(sched.scheduled)  # [S, vocab]
         self.num_steps += 1
-        return self._update(sched, logits)
+        return self._update(sched, logits, resumed)
 
-    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+    def _update(
+        self, sched: SchedulerOutput, logits: torch.Tensor, resumed: list[Sequence]
+    ) -> list[StepOutput]:
         rows: list[SamplingRow] = []
         row_logits: list[int] = []  # logits row of each sampling row
         sampling_seqs: list[Sequence] = []
@@ -206,11 +233,11 @@ class LLMEngine:
                 sampling_seqs.append(s)
             num_logit_rows += 1
 
-        touched: list[Sequence] = []
+        touched: list[Sequence] = list(resumed)
         if rows:
             out = self.sampler(logits[row_logits], rows)
             for seq, token, lp in zip(sampling_seqs, out.token_ids, out.logprobs, strict=True):
-                self._append(seq, token, lp)
+                self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
                 touched.append(seq)
         for child in new_children:
             if not child.is_finished:
@@ -239,11 +266,11 @@ class LLMEngine:
         req.seqs.extend(children)
         return children
 
-    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+    def _append(self, seq: Sequence, token: int, lp: LogprobEntry | None) -> None:
         """Add a sampled token; detokenize; finish the sequence on a stop condition."""
         seq.append_token(token)
         if lp is not None:
-            seq.pending_logprobs.append(self._logprob_entry(lp))
+            seq.pending_logprobs.append(lp)
         p = seq.sampling
         reason: FinishReason | None = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
@@ -369,4 +396,4 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer | None) -> frozenset[i
     return frozenset(ids)
 
 
-__all__ = ["LLMEngine", "StepOutput", "choice_seed"]
+__all__ = ["LLMEngine", "Resume", "StepOutput", "choice_seed"]

@@ -101,6 +101,15 @@ class Sampler:
         return SampleOutput(out_ids, logprobs)
 
     @staticmethod
+    def skip(params: SamplingParams, generator: torch.Generator | None, vocab: int) -> None:
+        """Advance ``generator`` exactly as sampling one row of ``vocab`` logits with
+        ``params`` would. The decode side of a KV handoff calls this for the first token, which
+        the prefill worker sampled from the same seed: the rest of the draws then match an
+        aggregated run."""
+        if generator is not None and not _is_greedy(params):
+            torch.empty(vocab).exponential_(generator=generator)
+
+    @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         for i, r in enumerate(rows):
             p = r.params

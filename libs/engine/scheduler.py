@@ -136,7 +136,7 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             self.kv.admit(new, hits, n)
-            if new.num_output_tokens == 0 and new.num_preemptions == 0:
+            if new.num_preemptions == 0:  # first admission (a resumed handoff has output)
                 new.num_cached_tokens = cached
             new.status = SeqStatus.RUNNING
             self.running.append(new)
