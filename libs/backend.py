@@ -41,6 +41,16 @@ class PreparedPrompt:
 
 
 @dataclass(slots=True)
+class Resume:
+    """A request whose first output token was sampled elsewhere (the prefill worker of a KV
+    handoff). The decode engine appends it as if it had sampled it — same detokenizer, stop and
+    penalty state, same seeded random stream — and continues from the second token."""
+
+    token_id: int
+    logprobs: LogprobEntry | None = None
+
+
+@dataclass(slots=True)
 class GenerationChunk:
     """New output of one choice since the last chunk. Yielded by ``Backend.generate``."""
 
@@ -94,9 +104,11 @@ class Backend(Protocol):
         prompt: PreparedPrompt,
         sampling: SamplingParams,
         priority: Priority,
+        resume: Resume | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream chunks until every choice has a finish_reason. Closing the iterator early
-        aborts the request and frees its blocks."""
+        aborts the request and frees its blocks. ``resume``: continue after a handed-off first
+        token (backends without KV handoff raise BackendError)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -14,7 +14,7 @@ import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
+from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import FakeEngineSettings
 
@@ -139,7 +139,10 @@ class FakeBackend:
         prompt: PreparedPrompt,
         sampling: SamplingParams,
         priority: Priority,
+        resume: Resume | None = None,
     ) -> AsyncIterator[GenerationChunk]:
+        if resume is not None:
+            raise BackendError("invalid_request", "the fake backend does not take KV handoffs")
         self._waiting += 1
         try:
             await self._slots.acquire()

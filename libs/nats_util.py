@@ -117,7 +117,20 @@ def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
             storage=StorageType.FILE,
             max_age=settings.events_max_age_s,
         ),
+        cache_events_stream_config(settings),
     ]
+
+
+def cache_events_stream_config(settings: NatsSettings) -> StreamConfig:
+    """The prefix-cache service's stored/evicted events: kept (not consumed) so that any
+    number of readers can replay them from the start to rebuild the set of held blocks."""
+    return StreamConfig(
+        name=settings.cache_events_stream,
+        subjects=[Subjects(settings.subject_prefix).cache_events],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.cache_events_max_age_s,
+    )
 
 
 async def provision(js: JetStreamContext, settings: NatsSettings) -> None:
@@ -259,15 +272,19 @@ class StreamReader:
 class StreamWriter:
     """Publishes one request's stream messages with consecutive ``seq`` numbers."""
 
-    def __init__(self, nc: NATS, subject: str, request_id: str) -> None:
+    def __init__(self, nc: NATS, subject: str, request_id: str, first_seq: int = 1) -> None:
         self._nc = nc
         self.subject = subject
         self.request_id = request_id
-        self._seq = 0
+        self._seq = first_seq - 1  # a decode worker continues a stream a prefill worker began
 
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    def peek_seq(self) -> int:
+        """The seq the next message would get (handed to whoever continues the stream)."""
+        return self._seq + 1
 
     async def send(self, msg: msgspec.Struct) -> None:
         await self._nc.publish(self.subject, encode(msg))

@@ -15,6 +15,8 @@ Data flow (see docs/architecture.md):
     worker --KvEvent--> <prefix>.kv_events.<worker_id>
     services --UsageEvent/RouteDecision--> JetStream <prefix>.events.<kind>  (stream STRAIT_EVENTS)
     any service --DeadLetter--> <prefix>.deadletter   (malformed input with no reply subject)
+    prefill --CacheLookup/CacheFetch/CacheStore--> <prefix>.cache.{lookup,fetch,store}
+    cache --CacheEvent--> JetStream <prefix>.cache.events  (stream STRAIT_CACHE_EVENTS)
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class Assignment(Struct, kw_only=True):
     route: RouteReason
     attempt: int = 1
     queued_s: float = 0.0  # time between publish and the router's decision
+    # Disaggregated pools: the decode workers the prefill worker may hand off to, best first.
+    decode_workers: list[str] = msgspec.field(default_factory=list)
 
 
 class AssignmentAck(Struct):
@@ -274,6 +278,78 @@ class KvEvent(Struct, kw_only=True):
     ts: float = msgspec.field(default_factory=time.time)
 
 
+# ---------------------------------------------------------------- KV handoff (prefill → decode)
+#
+# States of one handoff, driven by the prefill worker (services/prefill/handoff.py) and
+# answered by the decode worker (services/decode/handoff.py):
+#
+#   offer ──HandoffOffer (request/reply)──► decode: room? ──HandoffReply(accepted=False)──► next
+#     │                                                    (refused: draining / full / too big)
+#     ▼ accepted (decode reserves a slot until handoff.timeout_s)
+#   blocks ──raw KV chunks (core NATS) on reply.kv_subject, header Strait-Chunk: i/n──►
+#     ▼
+#   commit ──HandoffCommit (request/reply)──► decode: all chunks? import, admit
+#     │                                        ──HandoffResult(ok)──► prefill forgets its copy
+#     ▼ no/failed answer: prefill publishes HandoffAbort, then tries the next decode worker or
+#       ends the request's stream with an ErrorMessage (never a silent success)
+#
+# The decode worker drops a reservation that is not committed in time, and frees everything of
+# a transfer it aborts; after a successful commit it alone writes the request's stream.
+
+
+# NATS header on each raw KV chunk message: "<index>/<count>" (index from 0).
+KV_CHUNK_HEADER = "Strait-Chunk"
+
+
+class HandoffOffer(Struct, kw_only=True):
+    """Prefill worker → ``Subjects.handoff_offer(decode_worker_id)``; reply: HandoffReply."""
+
+    v: int = PROTOCOL_VERSION
+    transfer_id: str
+    assignment: Assignment
+    prefill_worker_id: str
+    prompt_token_ids: list[int]  # as the prefill worker tokenized them (no re-tokenizing)
+    first_token_id: int  # sampled by the prefill worker with the request's sampling params
+    first_logprobs: LogprobEntry | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill side served from a prefix cache
+    kv_blocks: int = 0  # full prompt blocks that follow; the decode side computes the rest
+    kv_bytes: int = 0
+    kv_chunks: int = 0
+    next_seq: int = 1  # the decode worker's first stream message gets this seq
+    prefill_s: float = 0.0  # prefill worker: assignment → first token
+
+
+class HandoffReply(Struct):
+    v: int = PROTOCOL_VERSION
+    accepted: bool = False
+    reason: str = ""  # refused: "draining" | "full" | "too_large" | "duplicate" | error text
+    kv_subject: str = ""  # where to publish the KV chunks
+
+
+class HandoffCommit(Struct, kw_only=True):
+    """Prefill → ``Subjects.handoff_commit(decode_worker_id)`` once every chunk is published;
+    reply: HandoffResult."""
+
+    v: int = PROTOCOL_VERSION
+    transfer_id: str
+    request_id: str
+
+
+class HandoffResult(Struct):
+    v: int = PROTOCOL_VERSION
+    ok: bool = False
+    reason: str = ""  # failed: "unknown_transfer" | "missing_chunks" | "bad_blocks: …"
+
+
+class HandoffAbort(Struct, kw_only=True):
+    """Prefill → ``Subjects.handoff_abort(decode_worker_id)``: forget this transfer."""
+
+    v: int = PROTOCOL_VERSION
+    transfer_id: str
+    request_id: str
+    reason: str = ""
+
+
 # ---------------------------------------------------------------- events (JetStream)
 
 
@@ -323,6 +399,109 @@ class DeadLetter(Struct, kw_only=True):
     ts: float = msgspec.field(default_factory=time.time)
 
 
+# ---------------------------------------------------------------- prefix cache
+#
+# The cache service (services/cache, docs/cache.md) holds KV blocks keyed by
+# (model_id, salt, chain hash). Three request shapes:
+#
+#   lookup: CacheLookup --request/reply--> CacheLookupReply | ErrorMessage
+#   fetch:  CacheFetch (reply = an inbox the requester subscribed to first) --> on that inbox:
+#           1 message  CacheFetchReply | ErrorMessage (JSON, no chunk header), then
+#           num_chunks messages of raw bytes, each with header CHUNK_HEADER = its index
+#           (0-based); their concatenation is libs/engine/kv_transfer.encode() of the hits.
+#   store:  fire-and-forget on cache_store: 1 message CacheStore (JSON), then num_chunks raw
+#           messages with headers TRANSFER_HEADER = CacheStore.transfer_id and CHUNK_HEADER =
+#           index; their concatenation is kv_transfer.encode() of the blocks to store.
+#
+# Chunks are at most min(nats.max_payload, the server's max_payload) - CHUNK_HEADROOM_BYTES
+# (or cache.chunk_bytes when set), so any KV size crosses NATS. One publisher's messages to
+# one subscriber arrive in order in NATS, so the JSON head comes before its chunks.
+
+# NATS header naming a chunk's 0-based index in its transfer.
+CHUNK_HEADER = "Strait-Chunk"
+# NATS header naming the transfer (CacheStore.transfer_id) a store chunk belongs to.
+TRANSFER_HEADER = "Strait-Transfer"
+# Bytes of max_payload left for a chunk's NATS headers (chunk ids and trace context).
+CHUNK_HEADROOM_BYTES = 1024
+
+# Why a lookup's first missing block missed (every later block misses with it: a chain).
+CacheMissReason = Literal[
+    "shorter_than_one_block",  # no full block asked about
+    "evicted",  # held once, evicted from every tier since
+    "other_model",  # this hash is held, under another model id
+    "salt",  # this hash is held for this model, under another salt
+    "not_stored",  # never held (or forgotten past cache.evicted_history)
+]
+
+
+class CacheLookup(Struct, kw_only=True):
+    """How many leading blocks of a prefix does the cache hold? (``Subjects.cache_lookup``)"""
+
+    v: int = PROTOCOL_VERSION
+    model_id: Annotated[str, msgspec.Meta(min_length=1)]
+    block_hashes: list[int]  # chain hashes (libs/engine/hashing.py), in prefix order
+    salt: str = ""  # isolates tenants: a block stored under one salt never hits under another
+
+
+class CacheLookupReply(Struct, kw_only=True, tag="cache_lookup"):
+    """Answer to CacheLookup: leading hits, and why the first miss missed."""
+
+    v: int = PROTOCOL_VERSION
+    num_hit_blocks: int
+    miss_reason: CacheMissReason | None = None  # None: every block asked about is held
+
+
+class CacheFetch(Struct, kw_only=True):
+    """Send me the KV bytes of the leading held blocks of this prefix (``Subjects.cache_fetch``)."""
+
+    v: int = PROTOCOL_VERSION
+    model_id: Annotated[str, msgspec.Meta(min_length=1)]
+    block_hashes: list[int]  # chain hashes, in prefix order
+    salt: str = ""
+
+
+class CacheFetchReply(Struct, kw_only=True, tag="cache_fetch"):
+    """Head of a fetch answer: what the ``num_chunks`` raw chunks that follow add up to."""
+
+    v: int = PROTOCOL_VERSION
+    num_blocks: int  # leading blocks in the payload (0: nothing held, no chunks follow)
+    total_bytes: int = 0  # length of the kv_transfer-encoded payload
+    num_chunks: int = 0
+    miss_reason: CacheMissReason | None = None  # why block ``num_blocks`` is not in it
+
+
+class CacheStore(Struct, kw_only=True):
+    """Head of a store transfer (``Subjects.cache_store``); ``num_chunks`` raw chunks follow."""
+
+    v: int = PROTOCOL_VERSION
+    transfer_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    total_bytes: Annotated[int, msgspec.Meta(ge=1)]  # length of the kv_transfer encoding
+    num_chunks: Annotated[int, msgspec.Meta(ge=1)]
+    salt: str = ""
+
+
+class CacheEvent(Struct, kw_only=True):
+    """Blocks the cache service started or stopped holding (JetStream, ``cache_events``).
+
+    Replaying the stream from the start in order rebuilds the set of held blocks; ``cleared``
+    means "forget everything this cache_id held before" (sent at service start).
+    """
+
+    v: int = PROTOCOL_VERSION
+    cache_id: str
+    model_id: str = ""
+    salt: str = ""
+    stored: list[int] = msgspec.field(default_factory=list)  # chain hashes
+    evicted: list[int] = msgspec.field(default_factory=list)  # left every tier
+    cleared: bool = False
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+# What a lookup's or a fetch head's reply subject receives.
+CacheLookupAnswer = CacheLookupReply | ErrorMessage
+CacheFetchAnswer = CacheFetchReply | ErrorMessage
+
+
 # ---------------------------------------------------------------- subjects
 
 
@@ -370,9 +549,40 @@ class Subjects:
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
 
+    def handoff_offer(self, worker_id: str) -> str:
+        return f"{self.prefix}.handoff.{worker_id}.offer"
+
+    def handoff_commit(self, worker_id: str) -> str:
+        return f"{self.prefix}.handoff.{worker_id}.commit"
+
+    def handoff_abort(self, worker_id: str) -> str:
+        return f"{self.prefix}.handoff.{worker_id}.abort"
+
+    def handoff_kv(self, worker_id: str, transfer_id: str) -> str:
+        return f"{self.prefix}.handoff.{worker_id}.kv.{transfer_id}"
+
+    def handoff_kv_all(self, worker_id: str) -> str:
+        return f"{self.prefix}.handoff.{worker_id}.kv.*"
+
     @property
     def deadletter(self) -> str:
         return f"{self.prefix}.deadletter"
+
+    @property
+    def cache_lookup(self) -> str:
+        return f"{self.prefix}.cache.lookup"
+
+    @property
+    def cache_fetch(self) -> str:
+        return f"{self.prefix}.cache.fetch"
+
+    @property
+    def cache_store(self) -> str:
+        return f"{self.prefix}.cache.store"
+
+    @property
+    def cache_events(self) -> str:
+        return f"{self.prefix}.cache.events"
 
 
 # ---------------------------------------------------------------- codec
@@ -449,11 +659,22 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "StreamMessage": StreamMessage,  # type: ignore[dict-item]
     "Assignment": Assignment,
     "AssignmentAck": AssignmentAck,
+    "HandoffOffer": HandoffOffer,
+    "HandoffReply": HandoffReply,
+    "HandoffCommit": HandoffCommit,
+    "HandoffResult": HandoffResult,
+    "HandoffAbort": HandoffAbort,
     "WorkerBeat": WorkerBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,
     "RouteDecision": RouteDecision,
     "DeadLetter": DeadLetter,
+    "CacheLookup": CacheLookup,
+    "CacheLookupReply": CacheLookupReply,
+    "CacheFetch": CacheFetch,
+    "CacheFetchReply": CacheFetchReply,
+    "CacheStore": CacheStore,
+    "CacheEvent": CacheEvent,
 }
 
 

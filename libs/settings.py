@@ -35,9 +35,14 @@ class NatsSettings(BaseModel):
     requests_stream: str = "STRAIT_REQUESTS"
     events_stream: str = "STRAIT_EVENTS"
     kv_events_stream: str = "STRAIT_KV_EVENTS"
+    # The prefix-cache service's stored/evicted events (replayable index of held blocks).
+    cache_events_stream: str = "STRAIT_CACHE_EVENTS"
     # Keep at most this long in the requests stream before a router takes it.
     request_max_age_s: float = 300.0
     events_max_age_s: float = 7 * 24 * 3600.0
+    # Cache events older than this leave the stream; a replay then misses blocks stored
+    # earlier that are still held (the index under-reports, it never over-reports for long).
+    cache_events_max_age_s: float = 24 * 3600.0
 
 
 class GatewaySettings(BaseModel):
@@ -147,6 +152,19 @@ class WorkerSettings(BaseModel):
     max_waiting: int = 256
 
 
+class HandoffSettings(BaseModel):
+    """Disaggregated pools: the prefill → decode KV handoff (libs/protocol.py, "KV handoff")."""
+
+    # Seconds the prefill worker waits for a decode worker's answer to an offer or a commit.
+    request_timeout_s: float = 5.0
+    # Seconds a decode worker keeps an accepted, uncommitted transfer before dropping it.
+    reservation_ttl_s: float = 15.0
+    # Bytes of one KV chunk message; 0: nats.max_payload less room for headers.
+    chunk_bytes: int = 0
+    # Decode workers one request is offered to before it fails with no_capacity.
+    max_offers: int = 3
+
+
 class EngineSettings(BaseModel):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -161,6 +179,36 @@ class EngineSettings(BaseModel):
     prefill_chunk_tokens: int = 256
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: torch's default
+
+
+class CacheSettings(BaseModel):
+    """The prefix-cache service (`strait cache`, docs/cache.md) and its client."""
+
+    # Workers look up, fetch and store prefix blocks in the cache service only when true
+    # (libs/kv_cache_client.CacheClient answers "disabled" without touching NATS otherwise).
+    enabled: bool = False
+    # Memory tier budget: bytes of KV tensor data held (index overhead not counted).
+    memory_bytes: int = 1024 * 1024 * 1024
+    # Disk tier: blocks evicted from memory spill to files here; empty: no disk tier.
+    # The directory is the service's own: its block files are deleted at start.
+    disk_dir: str = ""
+    disk_bytes: int = 8 * 1024 * 1024 * 1024
+    # Client: seconds to wait for a lookup reply, and for a whole fetch (head + chunks).
+    lookup_timeout_s: float = 0.5
+    fetch_timeout_s: float = 5.0
+    # Bytes of KV data per NATS message; 0: the smaller of nats.max_payload and the server's
+    # max_payload, less libs.protocol.CHUNK_HEADROOM_BYTES for headers.
+    chunk_bytes: int = 0
+    # Service: a store whose chunks are not all in after this many seconds is dropped.
+    store_timeout_s: float = 10.0
+    # Service: bytes of stores being reassembled at once; a store past it is refused.
+    max_pending_store_bytes: int = 256 * 1024 * 1024
+    # Service: evicted keys remembered so a later miss says "evicted" (not "not_stored").
+    evicted_history: int = 100_000
+    # Service: events waiting to be published to JetStream; handlers wait when it is full.
+    event_queue: int = 10_000
+    cache_id: str = ""  # empty: derived from host and pid
+    metrics_port: int = 9102  # /health, /ready, /metrics; 0: no HTTP listener
 
 
 class FakeEngineSettings(BaseModel):
@@ -206,8 +254,10 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    handoff: HandoffSettings = Field(default_factory=HandoffSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     fake_engine: FakeEngineSettings = Field(default_factory=FakeEngineSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     models: ModelsSettings = Field(default_factory=ModelsSettings)
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

@@ -122,17 +122,28 @@ class Fleet:
         cli = [py, "-m", "services.cli"]
         self.children.append(Child("router", [*cli, "router"], self.child_env()))
         port = WORKER_METRICS_BASE_PORT
+        if (
+            any(p.mode == "disaggregated" for p in self.settings.pools)
+            and self.settings.cache.enabled
+        ):
+            self.children.append(Child("cache", [*cli, "cache"], self.child_env()))
         for pool in self.settings.pools:
-            for i in range(pool.workers):
-                wid = f"{pool.name}-w{i}"
-                env = self.child_env(
-                    STRAIT_WORKER__POOL=pool.name,
-                    STRAIT_WORKER__WORKER_ID=wid,
-                    STRAIT_WORKER__ROLE="aggregated",
-                    STRAIT_WORKER__METRICS_PORT=str(port),
-                )
-                port += 1
-                self.children.append(Child(f"worker {wid}", [*cli, "decode"], env))
+            disagg = pool.mode == "disaggregated"
+            # (command, role, worker id stem, count): aggregated workers, or decode + prefill.
+            kinds = [("decode", "decode" if disagg else "aggregated", "w", pool.workers)]
+            if disagg:
+                kinds.append(("prefill", "prefill", "p", pool.prefill_workers))
+            for command, role, stem, count in kinds:
+                for i in range(count):
+                    wid = f"{pool.name}-{stem}{i}"
+                    env = self.child_env(
+                        STRAIT_WORKER__POOL=pool.name,
+                        STRAIT_WORKER__WORKER_ID=wid,
+                        STRAIT_WORKER__ROLE=role,
+                        STRAIT_WORKER__METRICS_PORT=str(port),
+                    )
+                    port += 1
+                    self.children.append(Child(f"{role} {wid}", [*cli, command], env))
         self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
 
     def start_all(self) -> None:

@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 import torch
 
-from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
-from libs.engine.engine import LLMEngine, Resume, StepOutput
+from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
+from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.kv_transfer import KvBlocks
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import EngineSettings, Settings
@@ -134,6 +134,11 @@ class AsyncEngineBackend:
             self._thread = None
         for q in self._streams.values():
             q.put_nowait(BackendError("internal_error", "the engine stopped"))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the whole KV cache (0 before :meth:`start`)."""
+        return self._engine.pool.num_blocks if self._engine is not None else 0
 
     # ------------------------------------------------------------------ Backend API
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from libs.backend import BackendError, GenerationChunk
+from libs.backend import BackendError, GenerationChunk, Resume
 from libs.engine.block_pool import BlockPool
 from libs.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from libs.engine.hashing import chain_hashes
@@ -52,16 +52,6 @@ def choice_seed(seed: int, index: int) -> int:
         return seed
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # manual_seed wants a non-negative int64
-
-
-@dataclass(slots=True)
-class Resume:
-    """A request whose first output token was sampled elsewhere (the prefill worker of a KV
-    handoff). The decode engine appends it as if it had sampled it — same detokenizer, stop and
-    penalty state, same seeded random stream — and continues from the second token."""
-
-    token_id: int
-    logprobs: LogprobEntry | None = None
 
 
 @dataclass(slots=True)

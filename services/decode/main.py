@@ -1,4 +1,5 @@
-"""``strait decode``: a worker process (role ``aggregated`` by default: prefill + decode).
+"""``strait decode``: a worker process (role ``aggregated`` by default: prefill + decode; role
+``decode`` in a disaggregated pool, where requests arrive as KV handoffs from prefill workers).
 
 Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
 ``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.*`` and beats until SIGTERM.
@@ -10,10 +11,12 @@ import asyncio
 import logging
 
 from libs.backend import Backend
+from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
 from libs.nats_util import connect
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from services.decode.handoff import HandoffReceiver
 from services.decode.worker import Worker
 
 log = logging.getLogger("strait.worker")
@@ -33,8 +36,6 @@ def build_backend(settings: Settings) -> Backend:
         return FakeBackend(
             settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
         )
-    from libs.engine.async_engine import AsyncEngineBackend
-
     return AsyncEngineBackend.from_settings(settings, pool.model)
 
 
@@ -44,12 +45,19 @@ async def serve(ctx: ServiceContext) -> None:
     await backend.start()
     nc = await connect(settings.nats, f"worker-{settings.worker.pool}")
     worker = Worker(nc, settings, backend)
+    sweeper: asyncio.Task[None] | None = None
     ctx.ready = lambda: nc.is_connected and not worker.draining
     subs = [
         await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
         await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
     ]
     beats = asyncio.create_task(worker.beat_loop(ctx.stopping))
+    if worker.role == "decode":  # disaggregated: requests arrive as KV handoffs
+        if not isinstance(backend, AsyncEngineBackend):
+            raise SystemExit("worker.role = 'decode' needs backend = 'engine' (KV handoff)")
+        receiver = HandoffReceiver(worker, backend.num_kv_blocks)
+        subs += await receiver.subscribe()
+        sweeper = asyncio.create_task(receiver.sweep_loop(ctx.stopping))
     log.info(
         "worker ready",
         extra=fields(worker_id=worker.worker_id, pool=worker.pool, model=backend.model_name),
@@ -59,6 +67,8 @@ async def serve(ctx: ServiceContext) -> None:
         await worker.drain(DRAIN_TIMEOUT_S)
     finally:
         beats.cancel()
+        if sweeper is not None:
+            sweeper.cancel()
         for s in subs:
             await s.unsubscribe()
         await nc.drain()

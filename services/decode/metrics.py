@@ -23,3 +23,19 @@ QUEUE = Histogram(
     "Request publish to assignment (time spent queued ahead of the router)",
     buckets=LATENCY_BUCKETS,
 )
+
+# Disaggregated pools: the KV handoff (side: "prefill" sends, "decode" receives).
+HANDOFFS = Counter(
+    "strait_handoff_total",
+    "KV handoffs by side and outcome (ok, failed, refused_<reason>, aborted, expired)",
+    ["side", "outcome"],
+)
+HANDOFF_BYTES = Counter("strait_handoff_bytes_total", "KV bytes handed off", ["side"])
+HANDOFF_SECONDS = Histogram(
+    "strait_handoff_seconds",
+    "Prefill side: first token sampled → decode worker committed the handoff",
+    buckets=LATENCY_BUCKETS,
+)
+HANDOFF_CHUNKS_DROPPED = Counter(
+    "strait_handoff_chunks_dropped_total", "KV chunks for unknown or malformed transfers"
+)

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from libs.backend import Backend, BackendError
+from libs.backend import Backend, BackendError, Resume
 from libs.log import fields
 from libs.nats_util import StreamWriter, publish_msg
 from libs.protocol import (
@@ -28,6 +28,7 @@ from libs.protocol import (
     CancelRequest,
     ErrorMessage,
     Finished,
+    HandoffOffer,
     KvEvent,
     ProtocolError,
     Routed,
@@ -122,12 +123,20 @@ class Worker:
 
     # ------------------------------------------------------------ one request
 
-    async def serve(self, a: Assignment, parent: Context) -> None:
+    async def serve(
+        self, a: Assignment, parent: Context, handoff: HandoffOffer | None = None
+    ) -> None:
+        """Run one request to its end on the stream. With ``handoff`` (decode role), the prompt
+        was computed by a prefill worker: its blocks are already imported, its first token is
+        resumed, and the stream continues at ``handoff.next_seq``."""
         req = a.request
         rid = req.request_id
         subject = req.reply_subject or self.subjects.stream(rid)
-        out = StreamWriter(self.nc, subject, rid)
+        out = StreamWriter(self.nc, subject, rid, handoff.next_seq if handoff else 1)
         started = time.perf_counter()
+        # Time to first token as the client sees it from the workers' side: a handed-off
+        # request already spent prefill_s on the prefill worker.
+        ttft_offset = handoff.prefill_s if handoff else 0.0
         ttft: float | None = None
         last_token_at = 0.0
         usage = Usage()
@@ -145,36 +154,43 @@ class Worker:
         )
         phase_ctx = trace.set_span_in_context(span)
         # Aggregated mode runs both phases here: "prefill" until the first token, then "decode".
-        phase = self._tracer.start_span("prefill", context=phase_ctx)
+        # A handed-off request is in its decode phase from the start.
+        phase = self._tracer.start_span("decode" if handoff else "prefill", context=phase_ctx)
+        resume = Resume(handoff.first_token_id, handoff.first_logprobs) if handoff else None
         try:
-            if req.want_route:
+            if req.want_route and handoff is None:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
             prompt = self.backend.prepare(
-                prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids,
-                messages=req.messages,
+                prompt=None if handoff else req.prompt,
+                prompt_token_ids=handoff.prompt_token_ids if handoff else req.prompt_token_ids,
+                messages=None if handoff else req.messages,
                 sampling=req.sampling,
             )
             usage.prompt_tokens = len(prompt.token_ids)
-            async for chunk in self.backend.generate(rid, prompt, req.sampling, req.priority):
+            gen = self.backend.generate(rid, prompt, req.sampling, req.priority, resume)
+            async for chunk in gen:
                 now = time.perf_counter()
                 if ttft is None and (chunk.token_ids or chunk.finish_reason):
-                    ttft = now - started
+                    ttft = ttft_offset + now - started
                     span.add_event("first_token")
                     metrics.TTFT.observe(ttft)
-                    phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
-                    phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
-                    phase.set_attribute(
-                        "strait.computed_tokens", usage.prompt_tokens - chunk.num_cached_tokens
-                    )
-                    phase.end()
-                    phase = self._tracer.start_span("decode", context=phase_ctx)
+                    if handoff is None:
+                        phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
+                        phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
+                        phase.set_attribute(
+                            "strait.computed_tokens",
+                            usage.prompt_tokens - chunk.num_cached_tokens,
+                        )
+                        phase.end()
+                        phase = self._tracer.start_span("decode", context=phase_ctx)
                 elif chunk.token_ids and chunk.index == 0:
                     metrics.ITL.observe(now - last_token_at)
                 if chunk.token_ids and chunk.index == 0:
                     last_token_at = now
                 usage.completion_tokens += len(chunk.token_ids)
-                usage.cached_tokens = chunk.num_cached_tokens
+                usage.cached_tokens = (
+                    handoff.num_cached_tokens if handoff else chunk.num_cached_tokens
+                )
                 await out.send(
                     TokenDelta(
                         seq=out.next_seq(),
@@ -195,7 +211,7 @@ class Worker:
                     model=self.backend.model_name,
                     pool=self.pool,
                     worker_id=self.worker_id,
-                    timings=Timings(queued_s=a.queued_s, ttft_s=ttft, total_s=total),
+                    timings=Timings(queued_s=a.queued_s, ttft_s=ttft, total_s=ttft_offset + total),
                 )
             )
             metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)

@@ -80,6 +80,8 @@ class Decision:
     factors: list[str]
     ranked: list[Placement]
     decide_s: float = 0.0
+    # Disaggregated pool (the ranked workers are prefill workers): decode workers, best first.
+    decode_workers: list[str] = field(default_factory=list)
 
     def route(self, p: Placement) -> RouteReason:
         return RouteReason(
@@ -203,7 +205,31 @@ class Router:
         hashes, n_tokens = self.prefix(req, pool, first.model, first.block_size)
         overlaps = self.registry.overlaps(hashes) if hashes else {}
         ranked = rank(workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS)
-        return Decision(pool, code, choice.score, factors, ranked, time.perf_counter() - t0)
+        decode_workers: list[str] = []
+        if ranked[0].worker.beat.role == "prefill":
+            # Decode workers hold no prompt yet: ranked by load alone (ties at random).
+            decoders = [
+                w
+                for w in self.registry.live(pool, roles=("decode",), now=now)
+                if w.worker_id not in exclude
+            ]
+            if not decoders:
+                return Rejection(
+                    "no_worker",
+                    f"no live decode worker in pool {pool!r}",
+                    retry_after_s=self.cfg.retry_after_s,
+                )
+            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
+            decode_workers = [p.worker.worker_id for p in by_load]
+        return Decision(
+            pool,
+            code,
+            choice.score,
+            factors,
+            ranked,
+            time.perf_counter() - t0,
+            decode_workers,
+        )
 
     def prefix(
         self, req: GenerateRequest, pool: str, model: str, block_size: int
@@ -262,7 +288,7 @@ class Router:
             route = decision.route(p)
             if i > 0:
                 reserved = self.registry.on_assigned(route.worker_id)
-            if await self.offer(req, route, attempt, queued_s):
+            if await self.offer(req, route, attempt, queued_s, decision.decode_workers):
                 if watched:
                     self.watch.assigned(req.request_id, route, attempt)
                 await self.record(req, route, decision.decide_s)
@@ -309,9 +335,20 @@ class Router:
                     span.set_attributes(_span_attributes(route))
 
     async def offer(
-        self, req: GenerateRequest, route: RouteReason, attempt: int, queued_s: float
+        self,
+        req: GenerateRequest,
+        route: RouteReason,
+        attempt: int,
+        queued_s: float,
+        decode_workers: list[str] | None = None,
     ) -> bool:
-        a = Assignment(request=req, route=route, attempt=attempt, queued_s=queued_s)
+        a = Assignment(
+            request=req,
+            route=route,
+            attempt=attempt,
+            queued_s=queued_s,
+            decode_workers=decode_workers or [],
+        )
         try:
             reply = await self.nc.request(
                 self.subjects.work(route.worker_id),

@@ -81,22 +81,39 @@ class InProcessFleet:
         pool: str = "default",
         backend: Backend | None = None,
         model: str = "fake-model",
+        role: str = "aggregated",
+        cache: Any = None,
     ) -> WorkerHandle:
+        """A worker of ``role``: ``aggregated``, or ``prefill``/``decode`` of a disaggregated
+        pool (both need an AsyncEngineBackend; ``cache`` is the prefill's CacheClient)."""
         import nats
 
         s = self.settings.model_copy(deep=True)
         s.worker.pool = pool
         s.worker.worker_id = worker_id
+        s.worker.role = role  # type: ignore[assignment]
         backend = backend or FakeBackend(s.fake_engine, model_name=model)
         await backend.start()
         nc = await nats.connect(s.nats.url)
-        w = Worker(nc, s, backend)
+        w: Worker
+        if role == "prefill":
+            from services.prefill.worker import PrefillWorker
+
+            w = PrefillWorker(nc, s, backend, cache)  # type: ignore[arg-type]
+        else:
+            w = Worker(nc, s, backend)
         subs = [
             await nc.subscribe(w.subjects.work(w.worker_id), cb=w.on_assignment),
             await nc.subscribe(w.subjects.cancel_all, cb=w.on_cancel),
         ]
         stopping = asyncio.Event()
         beats = asyncio.create_task(w.beat_loop(stopping))
+        if role == "decode":
+            from services.decode.handoff import HandoffReceiver
+
+            receiver = HandoffReceiver(w, backend.num_kv_blocks)  # type: ignore[attr-defined]
+            subs += await receiver.subscribe()
+            self._tasks.append(asyncio.create_task(receiver.sweep_loop(stopping)))
         h = WorkerHandle(w, backend, nc, subs, beats, stopping)
         self.workers.append(h)
         return h

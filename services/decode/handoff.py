@@ -1,0 +1,264 @@
+"""The decode side of a KV handoff (disaggregated pools; protocol in libs/protocol.py).
+
+Used by ``strait decode`` when ``worker.role = "decode"``: it subscribes :meth:`on_offer`,
+:meth:`on_kv`, :meth:`on_commit` and :meth:`on_abort` on this worker's handoff subjects, and
+runs :meth:`sweep_loop`. Per transfer:
+
+    offer   → refuse (draining / full / too large / duplicate) or reserve a slot until
+              ``handoff.reservation_ttl_s`` and answer with the subject for the KV chunks
+    chunks  → buffered in memory (bytes only; no engine blocks are taken yet)
+    commit  → every chunk here? decode the blocks, import them into the engine's prefix cache,
+              start the request (``Worker.serve`` with the offer), answer ok
+    abort   → forget the transfer; if the request already started here, cancel it (the prefill
+              side gave up on it and tells the client)
+
+A reservation that is never committed is dropped by the sweep, so a prefill worker that dies
+mid-handoff strands nothing here; imported blocks are ordinary free cached blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
+
+from libs.backend import BackendError
+from libs.engine.kv_manager import blocks_for
+from libs.engine.kv_transfer import decode as decode_kv
+from libs.log import fields
+from libs.protocol import (
+    KV_CHUNK_HEADER,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffOffer,
+    HandoffReply,
+    HandoffResult,
+    ProtocolError,
+    decode,
+    encode,
+)
+from libs.telemetry import extract_context
+from services.deadletter import dead_letter
+from services.decode import metrics
+from services.decode.worker import Worker
+
+log = logging.getLogger("strait.handoff")
+
+
+@dataclass
+class _Transfer:
+    offer: HandoffOffer
+    deadline: float  # time.monotonic()
+    chunks: list[bytes | None] = field(default_factory=list)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, index: int, data: bytes) -> None:
+        if 0 <= index < len(self.chunks) and self.chunks[index] is None:
+            self.chunks[index] = data
+            if all(c is not None for c in self.chunks):
+                self.complete.set()
+
+
+class HandoffReceiver:
+    def __init__(self, worker: Worker, max_blocks: int) -> None:
+        self.worker = worker
+        self.nc = worker.nc
+        self.subjects = worker.subjects
+        self.cfg = worker.settings.handoff
+        self.max_blocks = max_blocks  # the engine's whole KV cache, in blocks
+        self.transfers: dict[str, _Transfer] = {}
+        # request id → transfer id of requests started here from a handoff
+        self.started: dict[str, str] = {}
+
+    async def subscribe(self) -> list[Subscription]:
+        wid = self.worker.worker_id
+        # KV chunks arrive in bursts; a pending limit in bytes large enough for several
+        # prompts' blocks keeps nats-py from dropping them as a slow consumer.
+        pending = 64 * self.worker.settings.nats.max_payload
+        return [
+            await self.nc.subscribe(self.subjects.handoff_offer(wid), cb=self.on_offer),
+            await self.nc.subscribe(
+                self.subjects.handoff_kv_all(wid), cb=self.on_kv, pending_bytes_limit=pending
+            ),
+            await self.nc.subscribe(self.subjects.handoff_commit(wid), cb=self.on_commit),
+            await self.nc.subscribe(self.subjects.handoff_abort(wid), cb=self.on_abort),
+        ]
+
+    # ------------------------------------------------------------ offer
+
+    def _refusal(self, offer: HandoffOffer) -> str:
+        w = self.worker
+        rid = offer.assignment.request.request_id
+        if w.draining:
+            return "draining"
+        if offer.transfer_id in self.transfers or rid in w.tasks:
+            return "duplicate"
+        if len(w.tasks) + len(self.transfers) >= w.settings.worker.max_waiting + w.load_capacity():
+            return "full"
+        total = len(offer.prompt_token_ids) + offer.assignment.request.sampling.max_tokens
+        if blocks_for(total, w.backend.load().block_size) > self.max_blocks:
+            return "too_large"
+        return ""
+
+    async def on_offer(self, msg: Msg) -> None:
+        try:
+            offer = decode(msg.data, HandoffOffer)
+        except ProtocolError as e:
+            await self._answer(msg, HandoffReply(accepted=False, reason=str(e)), "offer", str(e))
+            return
+        reason = self._refusal(offer)
+        rid = offer.assignment.request.request_id
+        if reason:
+            metrics.HANDOFFS.labels(side="decode", outcome=f"refused_{reason}").inc()
+            log.info(
+                "handoff refused",
+                extra=fields(request_id=rid, transfer_id=offer.transfer_id, reason=reason),
+            )
+            await self._answer(msg, HandoffReply(accepted=False, reason=reason))
+            return
+        t = _Transfer(offer, time.monotonic() + self.cfg.reservation_ttl_s)
+        t.chunks = [None] * offer.kv_chunks
+        if not t.chunks:
+            t.complete.set()
+        self.transfers[offer.transfer_id] = t
+        kv_subject = self.subjects.handoff_kv(self.worker.worker_id, offer.transfer_id)
+        await self._answer(msg, HandoffReply(accepted=True, kv_subject=kv_subject))
+
+    # ------------------------------------------------------------ chunks
+
+    async def on_kv(self, msg: Msg) -> None:
+        transfer_id = msg.subject.rsplit(".", 1)[-1]
+        t = self.transfers.get(transfer_id)
+        if t is None:  # aborted, expired or never offered: drop it
+            metrics.HANDOFF_CHUNKS_DROPPED.inc()
+            return
+        try:
+            index_s, count_s = (msg.headers or {}).get(KV_CHUNK_HEADER, "").split("/")
+            index, count = int(index_s), int(count_s)
+        except ValueError:
+            metrics.HANDOFF_CHUNKS_DROPPED.inc()
+            return
+        if count != len(t.chunks):
+            metrics.HANDOFF_CHUNKS_DROPPED.inc()
+            return
+        t.add(index, msg.data)
+
+    # ------------------------------------------------------------ commit
+
+    async def on_commit(self, msg: Msg) -> None:
+        try:
+            c = decode(msg.data, HandoffCommit)
+        except ProtocolError as e:
+            await self._answer(msg, HandoffResult(ok=False, reason=str(e)), "commit", str(e))
+            return
+        t = self.transfers.get(c.transfer_id)
+        if t is None:
+            await self._answer(msg, HandoffResult(ok=False, reason="unknown_transfer"))
+            return
+        # Chunks and the commit travel on different subscriptions: give the last chunks a
+        # moment to be dispatched before calling them missing.
+        try:
+            await asyncio.wait_for(t.complete.wait(), max(t.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            pass
+        if self.transfers.pop(c.transfer_id, None) is None:  # aborted meanwhile
+            await self._answer(msg, HandoffResult(ok=False, reason="unknown_transfer"))
+            return
+        result = await self._admit(t, extract_context(msg.headers))
+        outcome = "ok" if result.ok else "failed"
+        metrics.HANDOFFS.labels(side="decode", outcome=outcome).inc()
+        await self._answer(msg, result)
+
+    async def _admit(self, t: _Transfer, parent: Context) -> HandoffResult:
+        offer = t.offer
+        rid = offer.assignment.request.request_id
+        if not t.complete.is_set():
+            missing = sum(1 for c in t.chunks if c is None)
+            return HandoffResult(ok=False, reason=f"missing_chunks: {missing} of {len(t.chunks)}")
+        if t.chunks:
+            try:
+                kv = decode_kv(b"".join(c for c in t.chunks if c is not None))
+                await self.worker.backend.import_prefix(kv)  # type: ignore[attr-defined]
+            except (ValueError, BackendError) as e:
+                return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
+            metrics.HANDOFF_BYTES.labels(side="decode").inc(offer.kv_bytes)
+        if self.worker.draining or rid in self.worker.tasks:
+            return HandoffResult(
+                ok=False, reason="draining" if self.worker.draining else "duplicate"
+            )
+        self.started[rid] = offer.transfer_id
+        task = asyncio.create_task(self.worker.serve(offer.assignment, parent, offer))
+        self.worker.tasks[rid] = task
+        task.add_done_callback(lambda _: self.started.pop(rid, None))
+        log.info(
+            "handoff admitted",
+            extra=fields(
+                request_id=rid,
+                transfer_id=offer.transfer_id,
+                blocks=offer.kv_blocks,
+                bytes=offer.kv_bytes,
+                prefill_worker=offer.prefill_worker_id,
+            ),
+        )
+        return HandoffResult(ok=True)
+
+    # ------------------------------------------------------------ abort and expiry
+
+    async def on_abort(self, msg: Msg) -> None:
+        try:
+            a = decode(msg.data, HandoffAbort)
+        except ProtocolError as e:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "decode")
+            return
+        self.transfers.pop(a.transfer_id, None)
+        if self.started.get(a.request_id) == a.transfer_id:
+            task = self.worker.tasks.get(a.request_id)
+            self.worker.backend.abort(a.request_id)
+            if task is not None:
+                task.cancel()
+        metrics.HANDOFFS.labels(side="decode", outcome="aborted").inc()
+        log.info(
+            "handoff aborted",
+            extra=fields(request_id=a.request_id, transfer_id=a.transfer_id, reason=a.reason),
+        )
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop reservations past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        expired = [tid for tid, t in self.transfers.items() if t.deadline <= now]
+        for tid in expired:
+            t = self.transfers.pop(tid)
+            metrics.HANDOFFS.labels(side="decode", outcome="expired").inc()
+            log.warning(
+                "handoff reservation expired",
+                extra=fields(request_id=t.offer.assignment.request.request_id, transfer_id=tid),
+            )
+        return len(expired)
+
+    async def sweep_loop(self, stopping: asyncio.Event) -> None:
+        interval = max(self.cfg.reservation_ttl_s / 4, 0.05)
+        while not stopping.is_set():
+            self.sweep()
+            try:
+                await asyncio.wait_for(stopping.wait(), interval)
+            except TimeoutError:
+                continue
+
+    # ------------------------------------------------------------ replies
+
+    async def _answer(
+        self,
+        msg: Msg,
+        reply: HandoffReply | HandoffResult,
+        what: str = "",
+        error: str = "",
+    ) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(reply))
+        elif error:
+            await dead_letter(self.nc, self.subjects, msg, f"bad handoff {what}: {error}", "decode")

@@ -1,0 +1,70 @@
+"""``strait prefill``: the prefill worker of a disaggregated pool (``worker.role = "prefill"``).
+
+Connects to NATS, loads the real engine (KV handoff needs it), then serves ``work.<worker_id>``
+and ``cancel.*`` and beats as role ``prefill`` until SIGTERM; each request is prefilled here and
+handed to a decode worker (services/prefill/worker.py). With ``cache.enabled``, prompts' blocks
+are fetched from and stored to the prefix-cache service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from libs.engine.async_engine import AsyncEngineBackend
+from libs.log import fields
+from libs.nats_util import connect
+from libs.runtime import ServiceContext, run_service
+from libs.settings import Settings, get_settings
+from services.prefill.worker import PrefillWorker, PrefixCache
+
+log = logging.getLogger("strait.prefill")
+
+# Seconds running prefills (and their handoffs) get to finish after SIGTERM.
+DRAIN_TIMEOUT_S = 30.0
+
+
+def cache_client(nc: object, settings: Settings) -> PrefixCache | None:
+    if not settings.cache.enabled:
+        return None
+    from libs.kv_cache_client import CacheClient
+
+    return CacheClient(nc, settings)  # type: ignore[arg-type]
+
+
+async def serve(ctx: ServiceContext) -> None:
+    settings = ctx.settings.model_copy(deep=True)
+    settings.worker.role = "prefill"
+    pool = settings.pool(settings.worker.pool)
+    if pool is None:
+        raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
+    if pool.backend != "engine":
+        raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
+    backend = AsyncEngineBackend.from_settings(settings, pool.model)
+    await backend.start()
+    nc = await connect(settings.nats, f"prefill-{pool.name}")
+    worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))
+    ctx.ready = lambda: nc.is_connected and not worker.draining
+    subs = [
+        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
+        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
+    ]
+    beats = asyncio.create_task(worker.beat_loop(ctx.stopping))
+    log.info(
+        "prefill worker ready",
+        extra=fields(worker_id=worker.worker_id, pool=worker.pool, model=backend.model_name),
+    )
+    try:
+        await ctx.stopping.wait()
+        await worker.drain(DRAIN_TIMEOUT_S)
+    finally:
+        beats.cancel()
+        for s in subs:
+            await s.unsubscribe()
+        await nc.drain()
+        await backend.stop()
+
+
+def main(settings: Settings | None = None) -> int:
+    settings = settings or get_settings()
+    return run_service("prefill", serve, settings, http_port=settings.worker.metrics_port)

@@ -1,0 +1,387 @@
+"""The prefill worker of a disaggregated pool: computes prompts, hands requests to decode.
+
+Used by ``strait prefill``. Takes assignments from the router exactly as an aggregated worker
+does (``Worker.on_assignment``: same acceptance, duplicates, cancel, beats with role
+``prefill``), but :meth:`PrefillWorker.serve` runs only the prompt and the first token:
+
+    prepare → [prefix-cache service: lookup, fetch, import] → engine prefill (first token,
+    prompt blocks exported) → done here when the request ends at its first token; otherwise
+    hand off (offer → KV chunks → commit) to the first decode worker of
+    ``Assignment.decode_workers`` that accepts → [store new blocks in the cache service]
+
+The stream belongs to this worker until a decode worker commits: the optional ``Routed`` echo,
+and, when the request ends here or every handoff fails, its tokens or a typed error. After a
+commit the decode worker writes everything else (from ``HandoffOffer.next_seq``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from libs.backend import BackendError, PreparedPrompt
+from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
+from libs.engine.hashing import chain_hashes
+from libs.engine.kv_transfer import KvBlocks, split
+from libs.engine.kv_transfer import encode as encode_kv
+from libs.log import fields
+from libs.nats_util import StreamWriter
+from libs.protocol import (
+    KV_CHUNK_HEADER,
+    Assignment,
+    ErrorMessage,
+    Finished,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffOffer,
+    HandoffReply,
+    HandoffResult,
+    Routed,
+    Timings,
+    TokenDelta,
+    Usage,
+    encode,
+)
+from libs.settings import Settings
+from libs.telemetry import inject_headers
+from services.decode import metrics
+from services.decode.worker import Worker
+
+log = logging.getLogger("strait.prefill")
+
+# Room left in each KV chunk message for NATS headers and subject.
+CHUNK_HEADROOM_BYTES = 4096
+
+
+class PrefixCache(Protocol):
+    """What the prefill worker needs of the prefix-cache service's client
+    (libs/kv_cache_client.CacheClient): both fail soft (None / nothing) — a cache is optional."""
+
+    async def fetch(self, model_id: str, block_hashes: list[int]) -> KvBlocks | None: ...
+
+    async def store(self, kv: KvBlocks) -> None: ...
+
+
+class HandoffFailed(Exception):
+    """No decode worker took the request; ``code`` is the client's ErrorMessage code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PrefillWorker(Worker):
+    def __init__(
+        self,
+        nc: NATS,
+        settings: Settings,
+        backend: AsyncEngineBackend,
+        cache: PrefixCache | None = None,
+        worker_id: str = "",
+    ) -> None:
+        super().__init__(nc, settings, backend, worker_id)
+        self.engine = backend
+        self.cache = cache
+        self.cfg = settings.handoff
+        self.chunk_bytes = self.cfg.chunk_bytes or max(
+            settings.nats.max_payload - CHUNK_HEADROOM_BYTES, 1
+        )
+        self._stores: set[asyncio.Task[None]] = set()
+
+    async def serve(
+        self, a: Assignment, parent: Context, handoff: HandoffOffer | None = None
+    ) -> None:
+        req = a.request
+        rid = req.request_id
+        out = StreamWriter(self.nc, req.reply_subject or self.subjects.stream(rid), rid)
+        started = time.perf_counter()
+        status, error_code = "ok", ""
+        usage = Usage()
+        decode_worker = ""
+        metrics.RUNNING.inc()
+        metrics.QUEUE.observe(a.queued_s)
+        span = self._tracer.start_span(
+            "prefill",
+            context=parent,
+            attributes={
+                "strait.request_id": rid,
+                "strait.worker_id": self.worker_id,
+                "strait.pool": self.pool,
+            },
+        )
+        try:
+            if req.want_route:
+                await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
+            prompt = self.backend.prepare(
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                messages=req.messages,
+                sampling=req.sampling,
+            )
+            usage.prompt_tokens = len(prompt.token_ids)
+            from_service = await self._fetch_cached(prompt)
+            res = await self.engine.prefill(rid, prompt, req.sampling, req.priority)
+            chunk = res.chunk
+            prefill_s = time.perf_counter() - started
+            metrics.TTFT.observe(prefill_s)
+            usage.cached_tokens = chunk.num_cached_tokens  # local and imported hits
+            span.set_attributes(
+                {
+                    "strait.prompt_tokens": usage.prompt_tokens,
+                    "strait.cached_tokens": usage.cached_tokens,
+                    "strait.computed_tokens": usage.prompt_tokens - chunk.num_cached_tokens,
+                    "strait.cache_service_tokens": from_service,
+                    "strait.running": self.backend.load().running,
+                }
+            )
+            self._store_later(res)
+            if chunk.finish_reason == "stop" or req.sampling.max_tokens == 1:
+                usage.completion_tokens = len(chunk.token_ids)
+                await self._finish_here(out, a, res, usage, prefill_s, started)
+                return
+            if not a.decode_workers:
+                raise HandoffFailed("no_worker", "no live decode worker in the pool")
+            decode_worker = await self._hand_off(a, out, prompt, res, usage, prefill_s, span)
+        except BackendError as e:
+            status, error_code = "error", e.code
+            await out.send(
+                ErrorMessage(
+                    seq=out.next_seq(), request_id=rid, code=e.code, message=str(e), param=e.param
+                )
+            )
+        except HandoffFailed as e:
+            status, error_code = "error", e.code
+            await out.send(
+                ErrorMessage(
+                    seq=out.next_seq(),
+                    request_id=rid,
+                    code=e.code,  # type: ignore[arg-type]
+                    message=str(e),
+                    retry_after_s=self.settings.router.retry_after_s,
+                )
+            )
+        except asyncio.CancelledError:
+            status, error_code = "cancelled", "cancelled"
+            self.backend.abort(rid)
+            if self.draining:
+                await out.send(
+                    ErrorMessage(
+                        seq=out.next_seq(),
+                        request_id=rid,
+                        code="worker_lost",
+                        message="prefill worker shut down before the handoff",
+                        retry_after_s=1.0,
+                    )
+                )
+        except Exception as e:
+            status, error_code = "error", "internal_error"
+            log.exception("prefill failed", extra=fields(request_id=rid))
+            await out.send(
+                ErrorMessage(
+                    seq=out.next_seq(),
+                    request_id=rid,
+                    code="internal_error",
+                    message=f"prefill worker error: {e}",
+                )
+            )
+        finally:
+            metrics.RUNNING.dec()
+            metrics.REQUESTS.labels(status=status).inc()
+            if status != "ok":
+                span.set_status(trace.StatusCode.ERROR, error_code)
+            span.end()
+            self.tasks.pop(rid, None)
+            log.info(
+                "request",
+                extra=fields(
+                    request_id=rid,
+                    status=status,
+                    error=error_code or None,
+                    pool=self.pool,
+                    decode_worker=decode_worker or None,
+                    prompt_tokens=usage.prompt_tokens,
+                    cached_tokens=usage.cached_tokens,
+                    total_s=round(time.perf_counter() - started, 4),
+                ),
+            )
+
+    # ------------------------------------------------------------ done at the first token
+
+    async def _finish_here(
+        self,
+        out: StreamWriter,
+        a: Assignment,
+        res: PrefillResult,
+        usage: Usage,
+        prefill_s: float,
+        started: float,
+    ) -> None:
+        rid = a.request.request_id
+        c = res.chunk
+        await out.send(
+            TokenDelta(
+                seq=out.next_seq(),
+                request_id=rid,
+                text=c.text,
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+            )
+        )
+        total = time.perf_counter() - started
+        await out.send(
+            Finished(
+                seq=out.next_seq(),
+                request_id=rid,
+                usage=usage,
+                model=self.backend.model_name,
+                pool=self.pool,
+                worker_id=self.worker_id,
+                timings=Timings(queued_s=a.queued_s, ttft_s=prefill_s, total_s=total),
+            )
+        )
+        metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
+        metrics.E2E.observe(total)
+
+    # ------------------------------------------------------------ the handoff
+
+    async def _hand_off(
+        self,
+        a: Assignment,
+        out: StreamWriter,
+        prompt: PreparedPrompt,
+        res: PrefillResult,
+        usage: Usage,
+        prefill_s: float,
+        parent_span: trace.Span,
+    ) -> str:
+        """Offer the request to the decode workers in order; returns the one that committed.
+        Raises HandoffFailed when none did (the caller tells the client)."""
+        payload = encode_kv(res.kv) if res.kv is not None else b""
+        pieces = split(payload, self.chunk_bytes) if payload else []
+        c = res.chunk
+        reasons: list[str] = []
+        for decode_id in a.decode_workers[: self.cfg.max_offers]:
+            offer = HandoffOffer(
+                transfer_id=uuid.uuid4().hex,
+                assignment=a,
+                prefill_worker_id=self.worker_id,
+                prompt_token_ids=prompt.token_ids,
+                first_token_id=c.token_ids[0],
+                first_logprobs=c.logprobs[0] if c.logprobs else None,
+                num_cached_tokens=usage.cached_tokens,
+                kv_blocks=len(res.kv.header.block_hashes) if res.kv is not None else 0,
+                kv_bytes=len(payload),
+                kv_chunks=len(pieces),
+                next_seq=out.peek_seq(),  # the decode worker's first message
+                prefill_s=prefill_s,
+            )
+            ctx = trace.set_span_in_context(parent_span)
+            with self._tracer.start_as_current_span(
+                "kv_handoff",
+                context=ctx,
+                attributes={
+                    "strait.decode_worker_id": decode_id,
+                    "strait.kv_blocks": offer.kv_blocks,
+                    "strait.kv_bytes": offer.kv_bytes,
+                    "strait.kv_chunks": offer.kv_chunks,
+                },
+            ) as span:
+                t0 = time.perf_counter()
+                reason = await self._try(decode_id, offer, pieces)
+                span.set_attribute("strait.handoff_s", time.perf_counter() - t0)
+                if not reason:
+                    metrics.HANDOFFS.labels(side="prefill", outcome="ok").inc()
+                    metrics.HANDOFF_BYTES.labels(side="prefill").inc(len(payload))
+                    metrics.HANDOFF_SECONDS.observe(time.perf_counter() - t0)
+                    return decode_id
+                span.set_status(trace.StatusCode.ERROR, reason)
+                metrics.HANDOFFS.labels(side="prefill", outcome="failed").inc()
+                reasons.append(f"{decode_id}: {reason}")
+        raise HandoffFailed(
+            "no_capacity", "no decode worker took the request (" + "; ".join(reasons) + ")"
+        )
+
+    async def _try(self, decode_id: str, offer: HandoffOffer, pieces: list[bytes]) -> str:
+        """One handoff attempt; "" on success, else why it failed. Whatever fails after the
+        offer was accepted, the decode side is told to forget the transfer."""
+        timeout = self.cfg.request_timeout_s
+        rid = offer.assignment.request.request_id
+        reply = await self._request(self.subjects.handoff_offer(decode_id), offer, timeout)
+        if reply is None:
+            return "no answer to the offer"
+        try:
+            accepted = msgspec.json.decode(reply, type=HandoffReply)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "malformed answer to the offer"
+        if not accepted.accepted:
+            return f"refused: {accepted.reason}"
+        try:
+            for i, piece in enumerate(pieces):
+                await self.nc.publish(
+                    accepted.kv_subject, piece, headers={KV_CHUNK_HEADER: f"{i}/{len(pieces)}"}
+                )
+            commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid)
+            raw = await self._request(self.subjects.handoff_commit(decode_id), commit, timeout)
+            result = msgspec.json.decode(raw, type=HandoffResult) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            result = None
+        if result is not None and result.ok:
+            return ""
+        why = result.reason if result is not None else "no answer to the commit"
+        # The decode side may have started the request and only the answer was lost: tell it
+        # to drop the transfer (and the request, if it started it) before anyone else runs it.
+        abort = HandoffAbort(transfer_id=offer.transfer_id, request_id=rid, reason=why)
+        await self.nc.publish(self.subjects.handoff_abort(decode_id), encode(abort))
+        return why
+
+    async def _request(self, subject: str, msg: msgspec.Struct, timeout: float) -> bytes | None:
+        try:
+            reply = await self.nc.request(
+                subject, encode(msg), timeout=timeout, headers=inject_headers()
+            )
+        except (NatsTimeout, NoRespondersError, TimeoutError):
+            return None
+        return reply.data
+
+    # ------------------------------------------------------------ prefix-cache service
+
+    async def _fetch_cached(self, prompt: PreparedPrompt) -> int:
+        """Import the longest cached prefix the cache service holds beyond this engine's own;
+        returns the prompt tokens it covers (0 when there is no service or no hit)."""
+        if self.cache is None:
+            return 0
+        model_id = self.backend.model_name
+        block_size = self.backend.load().block_size
+        # Full blocks before the last prompt token (that one is always computed, for logits).
+        n = (len(prompt.token_ids) - 1) // block_size
+        hashes = chain_hashes(prompt.token_ids[: n * block_size], block_size, model_id)
+        if not hashes:
+            return 0
+        kv = await self.cache.fetch(model_id, hashes)
+        if kv is None:
+            return 0
+        try:
+            await self.engine.import_prefix(kv)
+        except BackendError as e:
+            log.warning("cached blocks did not fit", extra=fields(error=str(e)))
+            return 0
+        return len(kv.header.block_hashes) * kv.header.block_size
+
+    def _store_later(self, res: PrefillResult) -> None:
+        """Offer the prompt's full blocks to the cache service, off the critical path."""
+        if self.cache is None or res.kv is None:
+            return
+        task = asyncio.create_task(self.cache.store(res.kv))
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)

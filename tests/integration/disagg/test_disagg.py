@@ -1,0 +1,259 @@
+"""Disaggregated prefill/decode on a real nats-server with a tiny random-weight model: the answer
+never changes across the KV handoff, and every failure of the handoff ends clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+import torch
+
+from libs.client import StraitClient
+from libs.engine.async_engine import AsyncEngineBackend
+from libs.nats_util import provision
+from libs.protocol import (
+    Assignment,
+    ErrorMessage,
+    Finished,
+    GenerateRequest,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffOffer,
+    HandoffReply,
+    HandoffResult,
+    RouteReason,
+    SamplingParams,
+    Subjects,
+    TokenDelta,
+    decode_stream,
+    encode,
+)
+from libs.settings import EngineSettings, PoolSettings, Settings
+from services.decode import metrics
+from tests.support.fleet import InProcessFleet, WorkerHandle
+from tests.unit.engine.helpers import reference_greedy, save_tiny_model_dir
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny"
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Fleet:
+    fleet: InProcessFleet
+    settings: Settings
+    model: torch.nn.Module
+    prefill: WorkerHandle
+    decoders: list[WorkerHandle]
+    aggregated: WorkerHandle
+
+
+@pytest.fixture
+async def disagg(settings: Settings, tmp_path: Path) -> AsyncIterator[Fleet]:
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model_dir(tmp_path / "models" / MODEL)
+    settings.models.dir = str(tmp_path / "models")
+    settings.engine = EngineSettings(
+        block_size=4, kv_cache_bytes=4 * 2**20, max_model_len=256, num_threads=1
+    )
+    settings.pools = [
+        PoolSettings(name="agg", model=MODEL, mode="aggregated"),
+        PoolSettings(name="dis", model=MODEL, mode="disaggregated"),
+    ]
+    settings.handoff.request_timeout_s = 1.0
+    settings.handoff.reservation_ttl_s = 2.0
+    path = str(tmp_path / "models" / MODEL)
+
+    def engine() -> AsyncEngineBackend:
+        return AsyncEngineBackend(settings.engine, path, MODEL)
+
+    nc = await nats.connect(settings.nats.url)
+    await provision(nc.jetstream(), settings.nats)
+    await nc.drain()
+    async with InProcessFleet(settings) as f:
+        agg = await f.add_worker("agg-w0", pool="agg", backend=engine())
+        pre = await f.add_worker("dis-p0", pool="dis", backend=engine(), role="prefill")
+        decoders = [
+            await f.add_worker(f"dis-d{i}", pool="dis", backend=engine(), role="decode")
+            for i in range(2)
+        ]
+        await f.wait_workers(4)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        yield Fleet(f, settings, model, pre, decoders, agg)
+        for h in f.workers:
+            await h.backend.stop()
+
+
+def prompts(n: int) -> list[list[int]]:
+    # Lengths 5..40: shorter than one block of 4 is impossible here, partial last blocks vary.
+    return [[(7 * i + 3 * j) % 300 + 3 for j in range(5 + 7 * i)] for i in range(n)]
+
+
+async def run(client: StraitClient, pool: str, ids: list[int], **kw: object):
+    return await client.complete(
+        prompt_token_ids=ids,
+        model=pool,
+        max_tokens=GREEDY.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_disaggregated_output_equals_aggregated_and_generate(disagg: Fleet) -> None:
+    batch = prompts(6)
+    async with StraitClient.from_settings(disagg.settings) as client:
+        for round_ in range(2):  # the second round hits the prefill worker's prefix cache
+            dis, agg = await asyncio.gather(
+                asyncio.gather(*(run(client, "dis", p) for p in batch)),
+                asyncio.gather(*(run(client, "agg", p) for p in batch)),
+            )
+            for ids, d, a in zip(batch, dis, agg, strict=True):
+                expected = reference_greedy(disagg.model, ids, GREEDY.max_tokens)
+                assert d.token_ids[0] == a.token_ids[0] == expected
+                assert d.text == a.text
+                assert d.finish_reasons == ["length"]
+                assert d.usage.prompt_tokens == len(ids)
+                assert d.usage.completion_tokens == GREEDY.max_tokens
+                assert d.finished.worker_id.startswith("dis-d")
+                if round_ == 1:
+                    assert d.usage.cached_tokens == (len(ids) - 1) // 4 * 4
+    # Nothing stranded: every block is free (cached blocks count as free) on every worker.
+    for h in [disagg.prefill, *disagg.decoders]:
+        assert h.backend.load().kv_blocks_used == 0
+        assert not h.worker.tasks
+
+
+async def test_a_request_that_ends_at_its_first_token_never_leaves_prefill(disagg: Fleet) -> None:
+    async with StraitClient.from_settings(disagg.settings) as client:
+        c = await client.complete(
+            prompt_token_ids=prompts(2)[1], model="dis", max_tokens=1, temperature=0.0
+        )
+    assert c.finished.worker_id == "dis-p0"
+    assert c.finish_reasons == ["length"] and len(c.token_ids[0]) == 1
+
+
+async def test_a_draining_decode_worker_refuses_and_another_takes_the_request(
+    disagg: Fleet,
+) -> None:
+    d0 = disagg.decoders[0]
+    d0.worker.draining = True  # refuses offers, beats still say "live" until the next beat
+    refused = metrics.HANDOFFS.labels(side="decode", outcome="refused_draining")
+    before = refused._value.get()
+    a = assignment(disagg, prompts(3)[2], ["dis-d0", "dis-d1"])
+    messages = await assign_and_read(disagg, a)
+    assert isinstance(messages[-1], Finished) and messages[-1].worker_id == "dis-d1"
+    assert refused._value.get() == before + 1
+    d0.worker.draining = False
+
+
+async def test_decode_worker_that_never_commits_is_aborted_and_the_next_one_serves(
+    disagg: Fleet,
+) -> None:
+    """A decode worker that accepts and then goes silent (it died mid-handoff): the prefill
+    worker times out on the commit, tells it to forget the transfer, and hands off elsewhere."""
+    s = Subjects(disagg.settings.nats.subject_prefix)
+    nc = await nats.connect(disagg.settings.nats.url)
+    aborts: list[HandoffAbort] = []
+
+    async def accept(msg: nats.aio.msg.Msg) -> None:
+        await msg.respond(
+            encode(HandoffReply(accepted=True, kv_subject=s.handoff_kv("ghost", "x")))
+        )
+
+    async def abort(msg: nats.aio.msg.Msg) -> None:
+        aborts.append(msgspec.json.decode(msg.data, type=HandoffAbort))
+
+    await nc.subscribe(s.handoff_offer("ghost"), cb=accept)
+    await nc.subscribe(s.handoff_abort("ghost"), cb=abort)
+    ids = prompts(4)[3]
+    messages = await assign_and_read(disagg, assignment(disagg, ids, ["ghost", "dis-d0"]))
+    tokens = [t for m in messages if isinstance(m, TokenDelta) for t in m.token_ids]
+    assert tokens == reference_greedy(disagg.model, ids, GREEDY.max_tokens)
+    assert isinstance(messages[-1], Finished) and messages[-1].worker_id == "dis-d0"
+    assert [m.seq for m in messages] == list(range(1, len(messages) + 1))
+    assert len(aborts) == 1 and aborts[0].request_id == messages[-1].request_id
+
+    # Every decode worker silent: the client gets a typed error, never silence.
+    messages = await assign_and_read(disagg, assignment(disagg, ids, ["ghost"]))
+    assert len(messages) == 1 and isinstance(messages[0], ErrorMessage)
+    assert messages[0].code == "no_capacity" and "ghost" in messages[0].message
+    await nc.drain()
+
+
+async def test_an_uncommitted_reservation_expires_and_strands_nothing(disagg: Fleet) -> None:
+    """A prefill worker that dies after the offer: the decode side drops the reservation."""
+    s = Subjects(disagg.settings.nats.subject_prefix)
+    nc = await nats.connect(disagg.settings.nats.url)
+    a = assignment(disagg, prompts(2)[1], ["dis-d1"])
+    offer = HandoffOffer(
+        transfer_id="t1",
+        assignment=a,
+        prefill_worker_id="gone",
+        prompt_token_ids=prompts(2)[1],
+        first_token_id=5,
+        kv_blocks=2,
+        kv_bytes=100,
+        kv_chunks=1,
+    )
+    reply = await nc.request(s.handoff_offer("dis-d1"), encode(offer), timeout=2)
+    assert msgspec.json.decode(reply.data, type=HandoffReply).accepted
+    await asyncio.sleep(disagg.settings.handoff.reservation_ttl_s + 1.0)
+    commit = HandoffCommit(transfer_id="t1", request_id=a.request.request_id)
+    reply = await nc.request(s.handoff_commit("dis-d1"), encode(commit), timeout=2)
+    result = msgspec.json.decode(reply.data, type=HandoffResult)
+    assert not result.ok and result.reason == "unknown_transfer"
+    assert disagg.decoders[1].backend.load().kv_blocks_used == 0
+    assert a.request.request_id not in disagg.decoders[1].worker.tasks
+    await nc.drain()
+
+
+async def test_malformed_handoff_messages_get_typed_answers(disagg: Fleet) -> None:
+    s = Subjects(disagg.settings.nats.subject_prefix)
+    nc = await nats.connect(disagg.settings.nats.url)
+    for payload in (b"not json", b'{"v": 1}', b'{"v": 99, "transfer_id": "x"}'):
+        reply = await nc.request(s.handoff_offer("dis-d0"), payload, timeout=2)
+        answer = msgspec.json.decode(reply.data, type=HandoffReply)
+        assert not answer.accepted and answer.reason
+        reply = await nc.request(s.handoff_commit("dis-d0"), payload, timeout=2)
+        assert not msgspec.json.decode(reply.data, type=HandoffResult).ok
+    # Chunks of a transfer nobody offered are dropped; the worker still serves.
+    await nc.publish(s.handoff_kv("dis-d0", "nobody"), b"\x00" * 10)
+    await nc.drain()
+    async with StraitClient.from_settings(disagg.settings) as client:
+        c = await run(client, "dis", prompts(1)[0])
+    assert c.finish_reasons == ["length"]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def assignment(f: Fleet, ids: list[int], decode_workers: list[str]) -> Assignment:
+    rid = uuid.uuid4().hex
+    req = GenerateRequest(request_id=rid, model="dis", prompt_token_ids=ids, sampling=GREEDY)
+    route = RouteReason(pool="dis", worker_id="dis-p0", code="explicit_pool")
+    return Assignment(request=req, route=route, decode_workers=decode_workers)
+
+
+async def assign_and_read(f: Fleet, a: Assignment, timeout: float = 30.0) -> list[object]:
+    """Offer ``a`` to the prefill worker directly (no router) and read its stream to the end."""
+    s = Subjects(f.settings.nats.subject_prefix)
+    nc = await nats.connect(f.settings.nats.url)
+    sub = await nc.subscribe(s.stream(a.request.request_id))
+    await nc.request(s.work("dis-p0"), encode(a), timeout=5)
+    out: list[object] = []
+    while True:
+        msg = decode_stream((await sub.next_msg(timeout=timeout)).data)
+        out.append(msg)
+        if isinstance(msg, (Finished, ErrorMessage)):
+            break
+    await nc.drain()
+    return out
