@@ -35,6 +35,7 @@ def settings(tmp_path: Path, nats_url: str) -> Settings:
     s.nats.requests_stream = f"{tag}_REQUESTS"
     s.nats.events_stream = f"{tag}_EVENTS"
     s.nats.kv_events_stream = f"{tag}_KV"
+    s.nats.cache_events_stream = f"{tag}_CACHE_EVENTS"
     s.database.url = f"sqlite+aiosqlite:///{tmp_path / 'strait.db'}"
     s.router.metrics_port = 0
     s.worker.metrics_port = 0
