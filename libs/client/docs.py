@@ -21,10 +21,20 @@ import msgspec.inspect as mi
 from libs.client.errors import ERROR_CLASSES, Retryable
 from libs.nats_util import stream_configs
 from libs.protocol import (
+    CHUNK_HEADER,
+    CHUNK_HEADROOM_BYTES,
     ERROR_HTTP_STATUS,
     PROTOCOL_VERSION,
     PUBLIC_MESSAGES,
     SUPPORTED_VERSIONS,
+    TRANSFER_HEADER,
+    CacheEvent,
+    CacheFetch,
+    CacheFetchReply,
+    CacheLookup,
+    CacheLookupReply,
+    CacheMissReason,
+    CacheStore,
     CancelRequest,
     ErrorCode,
     ErrorMessage,
@@ -129,6 +139,38 @@ SUBJECTS: dict[str, SubjectDoc] = {
         False,
     ),
     "kv_events_all": SubjectDoc((), "KvEvent", "core NATS", "—", "router", False),
+    "cache_lookup": SubjectDoc(
+        (),
+        "CacheLookup → CacheLookupReply / ErrorMessage (request/reply)",
+        "core NATS",
+        "prefill workers (`CacheClient.lookup`)",
+        "cache service",
+        False,
+    ),
+    "cache_fetch": SubjectDoc(
+        (),
+        "CacheFetch → on its reply inbox: CacheFetchReply / ErrorMessage, then raw KV chunks",
+        "core NATS",
+        "prefill workers (`CacheClient.fetch`)",
+        "cache service",
+        False,
+    ),
+    "cache_store": SubjectDoc(
+        (),
+        "CacheStore, then raw KV chunks (fire-and-forget)",
+        "core NATS",
+        "prefill workers (`CacheClient.store`)",
+        "cache service",
+        False,
+    ),
+    "cache_events": SubjectDoc(
+        (),
+        "CacheEvent",
+        "JetStream (stream `{cache_events_stream}`)",
+        "cache service",
+        "anyone rebuilding the cache's block index (replay from the start)",
+        False,
+    ),
 }
 # The route-event subject is the same member as usage with another argument.
 ROUTE_EVENT = SubjectDoc(
@@ -153,6 +195,11 @@ ERRORS: dict[str, str] = {
 MESSAGE_TABLES: list[type[Any]] = [
     GenerateRequest, SamplingParams, CancelRequest, Routed, TokenDelta, Finished, ErrorMessage,
     UsageEvent, RouteDecision,
+]  # fmt: skip
+
+# The prefix-cache service's messages (fleet-internal; docs/cache.md tells the whole story).
+CACHE_TABLES: list[type[Any]] = [
+    CacheLookup, CacheLookupReply, CacheFetch, CacheFetchReply, CacheStore, CacheEvent,
 ]  # fmt: skip
 
 
@@ -276,7 +323,8 @@ def render_reference(settings: NatsSettings | None = None) -> str:
         "| stream (setting) | subjects | retention | storage | max age | max message size |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for cfg, setting in zip(stream_configs(s), ("requests_stream", "events_stream"), strict=True):
+    settings_names = ("requests_stream", "events_stream", "cache_events_stream")
+    for cfg, setting in zip(stream_configs(s), settings_names, strict=True):
         size = f"{cfg.max_msg_size} B" if (cfg.max_msg_size or -1) > 0 else "server max_payload"
         lines.append(
             f"| `{cfg.name}` (`nats.{setting}`) | {', '.join(f'`{x}`' for x in cfg.subjects or [])} | "
@@ -297,6 +345,28 @@ def render_reference(settings: NatsSettings | None = None) -> str:
         "",
     ]
     for cls in MESSAGE_TABLES:
+        lines += _message_table(cls)
+    lines += [
+        "### Prefix cache (fleet-internal)",
+        "",
+        "The cache service (docs/cache.md) answers on `cache.lookup` (request/reply) and "
+        "`cache.fetch`, and takes blocks on `cache.store`. KV bytes travel as the "
+        "`libs/engine/kv_transfer` encoding (4-byte big-endian header length, JSON header, raw "
+        "tensor bytes), cut into chunks of at most the smaller of `nats.max_payload` and the "
+        f"server's max_payload less {CHUNK_HEADROOM_BYTES} bytes (`cache.chunk_bytes` lowers "
+        "it). A fetch's reply inbox receives one JSON head (`CacheFetchReply` or "
+        f"`ErrorMessage`, no `{CHUNK_HEADER}` header), then `num_chunks` raw messages whose "
+        f"`{CHUNK_HEADER}` header is their 0-based index. A store is a `CacheStore` head, then "
+        f"raw chunks with `{TRANSFER_HEADER}` = its `transfer_id` and `{CHUNK_HEADER}`. "
+        "Malformed requests get an `ErrorMessage` (`invalid_request`, `unsupported_version`) "
+        "on their reply subject, or a `DeadLetter` when they have none.",
+        "",
+        "Miss reasons (`miss_reason`, of the first block not held): "
+        + ", ".join(f"`{r}`" for r in get_args(CacheMissReason))
+        + ".",
+        "",
+    ]
+    for cls in CACHE_TABLES:
         lines += _message_table(cls)
     lines += [
         "### Error codes",
