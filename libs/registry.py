@@ -133,6 +133,15 @@ class WorkerRegistry:
                 out[w] = depth
         return out
 
+    def serving_pools(self, now: float | None = None) -> set[str]:
+        """Pools that can run a request now: a live aggregated worker, or (disaggregated) a
+        live prefill worker and a live decode worker."""
+        roles: dict[str, set[str]] = {}
+        for pool in self.pools():
+            for v in self.live(pool, roles=("aggregated", "prefill", "decode"), now=now):
+                roles.setdefault(pool, set()).add(v.beat.role)
+        return {p for p, r in roles.items() if "aggregated" in r or {"prefill", "decode"} <= r}
+
     def pools(self) -> set[str]:
         return {v.beat.pool for v in self.workers.values()}
 

@@ -78,8 +78,10 @@ class Fleet:
         return self.nc is not None and self.nc.is_connected
 
     def live_workers(self) -> int:
+        """Live workers of the pools that can serve (a disaggregated pool needs both roles)."""
         self.registry.expire()
-        return len(self.registry.workers)
+        serving = self.registry.serving_pools()
+        return sum(1 for v in self.registry.workers.values() if v.beat.pool in serving)
 
     def reader(self, req: GenerateRequest) -> StreamReader:
         assert self.nc is not None

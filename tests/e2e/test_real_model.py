@@ -57,7 +57,13 @@ def reference_texts(model_dir: Path) -> list[str]:
     return out
 
 
-def test_concurrent_streams_equal_generate(tmp_path: Path, nats_url: str, smollm2: Path) -> None:
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+def test_concurrent_streams_equal_generate(
+    tmp_path: Path, nats_url: str, smollm2: Path, mode: str
+) -> None:
+    """Four concurrent chats, twice (the second round hits the prefix cache), equal
+    ``model.generate``'s greedy text — in one aggregated worker, and split over a prefill and a
+    decode worker process with the KV blocks handed off over NATS."""
     from openai import AsyncOpenAI
 
     expected = reference_texts(smollm2)
@@ -65,7 +71,21 @@ def test_concurrent_streams_equal_generate(tmp_path: Path, nats_url: str, smollm
         "STRAIT_NATS__SUBJECT_PREFIX": "real.v1",
         "STRAIT_MODELS__DIR": str(smollm2.parent.resolve()),
     }
-    with ProcessFleet(tmp_path, nats_url, REAL_FLEET, env=env, ready_timeout_s=180) as fleet:
+    config = REAL_FLEET + f'mode = "{mode}"\n'  # the last table is the pool
+    workers: list[dict[str, str]] = [{}]
+    extra: list[tuple[str, str, dict[str, str]]] = []
+    if mode == "disaggregated":
+        workers = [{"STRAIT_WORKER__ROLE": "decode"}]
+        extra = [("prefill", "prefill", {"STRAIT_WORKER__WORKER_ID": "p0"})]
+    with ProcessFleet(
+        tmp_path,
+        nats_url,
+        config,
+        env=env,
+        workers=workers,
+        extra_services=extra,
+        ready_timeout_s=180,
+    ) as fleet:
         client = AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0)
 
         async def ask(q: str) -> tuple[str, int]:
@@ -85,12 +105,15 @@ def test_concurrent_streams_equal_generate(tmp_path: Path, nats_url: str, smollm
                     completion_tokens = chunk.usage.completion_tokens
             return text, completion_tokens
 
-        async def all_at_once() -> list[tuple[str, int]]:
+        async def all_at_once() -> list[list[tuple[str, int]]]:
             try:
-                return await asyncio.gather(*(ask(q) for q in QUESTIONS))
+                return [await asyncio.gather(*(ask(q) for q in QUESTIONS)) for _ in range(2)]
             finally:
                 await client.close()
 
-        results = asyncio.run(all_at_once())
-    assert [t for t, _ in results] == expected
-    assert all(0 < n <= MAX_TOKENS for _, n in results)
+        rounds = asyncio.run(all_at_once())
+        if mode == "disaggregated":  # the decode process served what the prefill one handed off
+            assert "handoff admitted" in fleet.logs("worker0")
+    for results in rounds:
+        assert [t for t, _ in results] == expected
+        assert all(0 < n <= MAX_TOKENS for _, n in results)

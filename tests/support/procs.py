@@ -27,6 +27,8 @@ class ProcessFleet:
     config_toml: str
     env: dict[str, str] = field(default_factory=dict)
     workers: list[dict[str, str]] = field(default_factory=lambda: [{}])
+    # Extra processes before the workers: (name, CLI command, extra env), e.g. prefill, cache.
+    extra_services: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     ready_timeout_s: float = 120.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     gateway_port: int = 0
@@ -65,6 +67,8 @@ class ProcessFleet:
         (self.tmp / "strait.toml").write_text(self.config_toml)
         self.gateway_port = free_port()
         self.start("router", "router")
+        for name, command, extra in self.extra_services:
+            self.start(name, command, extra)
         for i, extra in enumerate(self.workers):
             self.start(f"worker{i}", "decode", {"STRAIT_WORKER__WORKER_ID": f"w{i}", **extra})
         self.start("gateway", "gateway")

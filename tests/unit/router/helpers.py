@@ -15,11 +15,12 @@ def beat(
     capacity: int = 10,
     block_size: int = 4,
     draining: bool = False,
+    role: str = "aggregated",
 ) -> WorkerBeat:
     return WorkerBeat(
         worker_id=worker_id,
         pool=pool,
-        role="aggregated",
+        role=role,
         model=model,
         running=running,
         waiting=waiting,

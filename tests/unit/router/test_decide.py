@@ -131,3 +131,27 @@ def test_the_two_pool_config_file_loads(monkeypatch: pytest.MonkeyPatch) -> None
         ("large", LARGE, "engine"),
     ]
     assert (s.router.small_pool, s.router.large_pool) == ("small", "large")
+
+
+def test_a_disaggregated_pool_gets_a_prefill_worker_and_decode_workers_by_load() -> None:
+    s = Settings()
+    s.pools = [PoolSettings(name="dis", model=SMALL, mode="disaggregated")]
+    reg = registry(
+        beat("p1", pool="dis", model=SMALL, role="prefill"),
+        beat("d1", pool="dis", model=SMALL, role="decode", running=8),
+        beat("d2", pool="dis", model=SMALL, role="decode", running=1),
+    )
+    d = decided(router(s, reg), request("hi", model="dis"))
+    assert [p.worker.worker_id for p in d.ranked] == ["p1"]  # decode workers never prefill
+    assert d.decode_workers == ["d2", "d1"]
+    assert reg.serving_pools() == {"dis"}
+
+
+def test_a_disaggregated_pool_without_a_decode_worker_answers_no_worker() -> None:
+    s = Settings()
+    s.pools = [PoolSettings(name="dis", model=SMALL, mode="disaggregated")]
+    reg = registry(beat("p1", pool="dis", model=SMALL, role="prefill"))
+    rej = router(s, reg).decide(request("hi", model="dis"))
+    assert isinstance(rej, Rejection) and rej.code == "no_worker"
+    assert "decode" in rej.message
+    assert reg.serving_pools() == set()
