@@ -83,6 +83,11 @@ class CacheService:
         self._publisher: asyncio.Task[None] | None = None
         self._tracer = tracer("strait.cache")
 
+    @property
+    def nc(self) -> NATS:
+        """The service's NATS connection (tests open clients on it)."""
+        return self._nc
+
     # ------------------------------------------------------------ lifetime
 
     async def start(self) -> None:
