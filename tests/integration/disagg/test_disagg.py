@@ -16,6 +16,8 @@ import torch
 
 from libs.client import StraitClient
 from libs.engine.async_engine import AsyncEngineBackend
+from libs.engine.hashing import chain_hashes
+from libs.kv_cache_client import CacheClient
 from libs.nats_util import provision
 from libs.protocol import (
     Assignment,
@@ -35,6 +37,7 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import EngineSettings, PoolSettings, Settings
+from services.cache.service import CacheService
 from services.decode import metrics
 from tests.support.fleet import InProcessFleet, WorkerHandle
 from tests.unit.engine.helpers import reference_greedy, save_tiny_model_dir
@@ -53,10 +56,18 @@ class Fleet:
     prefill: WorkerHandle
     decoders: list[WorkerHandle]
     aggregated: WorkerHandle
+    cache: CacheService
 
 
 @pytest.fixture
-async def disagg(settings: Settings, tmp_path: Path) -> AsyncIterator[Fleet]:
+def with_cache() -> bool:
+    return False
+
+
+@pytest.fixture
+async def disagg(settings: Settings, tmp_path: Path, with_cache: bool) -> AsyncIterator[Fleet]:
+    """Pools ``agg`` (one aggregated worker) and ``dis`` (prefill dis-p0, decode dis-d0 and
+    dis-d1; with ``with_cache``, a second prefill dis-p1 and the prefix-cache service)."""
     from transformers import AutoModelForCausalLM
 
     save_tiny_model_dir(tmp_path / "models" / MODEL)
@@ -78,18 +89,35 @@ async def disagg(settings: Settings, tmp_path: Path) -> AsyncIterator[Fleet]:
     nc = await nats.connect(settings.nats.url)
     await provision(nc.jetstream(), settings.nats)
     await nc.drain()
+    settings.cache.enabled = with_cache
+    service_nc = await nats.connect(settings.nats.url)
+    service = CacheService(service_nc, service_nc.jetstream(), settings)
+    if with_cache:
+        await service.start()
     async with InProcessFleet(settings) as f:
         agg = await f.add_worker("agg-w0", pool="agg", backend=engine())
-        pre = await f.add_worker("dis-p0", pool="dis", backend=engine(), role="prefill")
+        prefills = [
+            await f.add_worker(
+                f"dis-p{i}",
+                pool="dis",
+                backend=engine(),
+                role="prefill",
+                cache=CacheClient(service_nc, settings) if with_cache else None,
+            )
+            for i in range(2 if with_cache else 1)
+        ]
         decoders = [
             await f.add_worker(f"dis-d{i}", pool="dis", backend=engine(), role="decode")
             for i in range(2)
         ]
         await f.wait_workers(4)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        yield Fleet(f, settings, model, pre, decoders, agg)
+        yield Fleet(f, settings, model, prefills[0], decoders, agg, service)
         for h in f.workers:
             await h.backend.stop()
+    if with_cache:
+        await service.close(drain_timeout_s=2.0)
+    await service_nc.drain()
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -233,6 +261,30 @@ async def test_malformed_handoff_messages_get_typed_answers(disagg: Fleet) -> No
     assert c.finish_reasons == ["length"]
 
 
+@pytest.mark.parametrize("with_cache", [True])
+async def test_a_prefix_stored_by_one_prefill_worker_is_fetched_by_another(
+    disagg: Fleet,
+) -> None:
+    """dis-p0 prefills a prompt and stores its blocks in the cache service; dis-p1 has never
+    seen it, fetches them, computes only the rest, and the answer is unchanged."""
+    ids = prompts(6)[5]  # 40 tokens: 9 full blocks before the last token
+    first = await assign_and_read(disagg, assignment(disagg, ids, ["dis-d0"]), prefill="dis-p0")
+    hashes = chain_hashes(ids[:36], 4, MODEL)
+    nc = await nats.connect(disagg.settings.nats.url)
+    client = CacheClient(nc, disagg.settings)
+    for _ in range(100):  # the store is off the critical path: wait for it to land
+        if (await client.lookup(MODEL, hashes)).num_hit_blocks == 9:
+            break
+        await asyncio.sleep(0.05)
+    await nc.drain()
+    second = await assign_and_read(disagg, assignment(disagg, ids, ["dis-d1"]), prefill="dis-p1")
+    expected = reference_greedy(disagg.model, ids, GREEDY.max_tokens)
+    for messages in (first, second):
+        assert [t for m in messages if isinstance(m, TokenDelta) for t in m.token_ids] == expected
+    assert isinstance(first[-1], Finished) and first[-1].usage.cached_tokens == 0
+    assert isinstance(second[-1], Finished) and second[-1].usage.cached_tokens == 36
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -243,12 +295,14 @@ def assignment(f: Fleet, ids: list[int], decode_workers: list[str]) -> Assignmen
     return Assignment(request=req, route=route, decode_workers=decode_workers)
 
 
-async def assign_and_read(f: Fleet, a: Assignment, timeout: float = 30.0) -> list[object]:
-    """Offer ``a`` to the prefill worker directly (no router) and read its stream to the end."""
+async def assign_and_read(
+    f: Fleet, a: Assignment, timeout: float = 30.0, prefill: str = "dis-p0"
+) -> list[object]:
+    """Offer ``a`` to a prefill worker directly (no router) and read its stream to the end."""
     s = Subjects(f.settings.nats.subject_prefix)
     nc = await nats.connect(f.settings.nats.url)
     sub = await nc.subscribe(s.stream(a.request.request_id))
-    await nc.request(s.work("dis-p0"), encode(a), timeout=5)
+    await nc.request(s.work(prefill), encode(a), timeout=5)
     out: list[object] = []
     while True:
         msg = decode_stream((await sub.next_msg(timeout=timeout)).data)
