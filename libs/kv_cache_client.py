@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
 from libs.log import fields
+from libs.nats_util import publish_chunks
 from libs.protocol import (
     CHUNK_HEADER,
     CHUNK_HEADROOM_BYTES,
@@ -60,26 +61,20 @@ class FetchError(Exception):
     """A fetch answer that cannot be used (error reply, missing or extra chunks, bad bytes)."""
 
 
-def chunk_limit(nc: NATS, settings: Settings) -> int:
+def chunk_limit(nc: NATS, settings: Settings, override: int | None = None) -> int:
     """Bytes of KV payload per NATS message: fits the configured and the server's max_payload
-    with room for the chunk's headers; ``cache.chunk_bytes`` lowers it when set."""
+    with room for the chunk's headers; ``override`` (default ``cache.chunk_bytes``) lowers it
+    when set. Also used by the KV handoff (with ``handoff.chunk_bytes``)."""
     limit = min(settings.nats.max_payload, nc.max_payload) - CHUNK_HEADROOM_BYTES
-    if settings.cache.chunk_bytes > 0:
-        limit = min(limit, settings.cache.chunk_bytes)
+    lower = settings.cache.chunk_bytes if override is None else override
+    if lower > 0:
+        limit = min(limit, lower)
     if limit < 1:
         raise ValueError(
             f"max_payload {nc.max_payload} leaves no room for chunks "
             f"(CHUNK_HEADROOM_BYTES={CHUNK_HEADROOM_BYTES})"
         )
     return limit
-
-
-async def publish_chunks(
-    nc: NATS, subject: str, pieces: list[bytes], headers: dict[str, str]
-) -> None:
-    """Publish ``pieces`` in order, each with ``headers`` plus its index in CHUNK_HEADER."""
-    for i, piece in enumerate(pieces):
-        await nc.publish(subject, piece, headers={**headers, CHUNK_HEADER: str(i)})
 
 
 def join_chunks(chunks: dict[int, bytes], num_chunks: int, total_bytes: int) -> bytes:

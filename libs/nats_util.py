@@ -33,6 +33,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from libs.log import fields
 from libs.protocol import (
+    CHUNK_HEADER,
     ErrorMessage,
     Finished,
     StreamMessage,
@@ -288,3 +289,11 @@ class StreamWriter:
 
     async def send(self, msg: msgspec.Struct) -> None:
         await self._nc.publish(self.subject, encode(msg))
+
+
+async def publish_chunks(
+    nc: NATS, subject: str, pieces: list[bytes], headers: dict[str, str]
+) -> None:
+    """Publish ``pieces`` in order, each with ``headers`` plus its index in CHUNK_HEADER."""
+    for i, piece in enumerate(pieces):
+        await nc.publish(subject, piece, headers={**headers, CHUNK_HEADER: str(i)})

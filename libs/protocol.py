@@ -286,7 +286,7 @@ class KvEvent(Struct, kw_only=True):
 #   offer ──HandoffOffer (request/reply)──► decode: room? ──HandoffReply(accepted=False)──► next
 #     │                                                    (refused: draining / full / too big)
 #     ▼ accepted (decode reserves a slot until handoff.timeout_s)
-#   blocks ──raw KV chunks (core NATS) on reply.kv_subject, header Strait-Chunk: i/n──►
+#   blocks ──raw KV chunks (core NATS) on reply.kv_subject, CHUNK_HEADER = index 0..n-1──►
 #     ▼
 #   commit ──HandoffCommit (request/reply)──► decode: all chunks? import, admit
 #     │                                        ──HandoffResult(ok)──► prefill forgets its copy
@@ -295,10 +295,6 @@ class KvEvent(Struct, kw_only=True):
 #
 # The decode worker drops a reservation that is not committed in time, and frees everything of
 # a transfer it aborts; after a successful commit it alone writes the request's stream.
-
-
-# NATS header on each raw KV chunk message: "<index>/<count>" (index from 0).
-KV_CHUNK_HEADER = "Strait-Chunk"
 
 
 class HandoffOffer(Struct, kw_only=True):

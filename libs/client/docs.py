@@ -40,6 +40,11 @@ from libs.protocol import (
     ErrorMessage,
     Finished,
     GenerateRequest,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffOffer,
+    HandoffReply,
+    HandoffResult,
     Routed,
     RouteDecision,
     SamplingParams,
@@ -139,6 +144,41 @@ SUBJECTS: dict[str, SubjectDoc] = {
         False,
     ),
     "kv_events_all": SubjectDoc((), "KvEvent", "core NATS", "—", "router", False),
+    "handoff_offer": SubjectDoc(
+        ("<decode_worker_id>",),
+        "HandoffOffer → HandoffReply (request/reply)",
+        "core NATS",
+        "prefill workers",
+        "that decode worker",
+        False,
+    ),
+    "handoff_kv": SubjectDoc(
+        ("<decode_worker_id>", "<transfer_id>"),
+        "raw KV chunks (`HandoffReply.kv_subject`)",
+        "core NATS",
+        "prefill workers",
+        "that decode worker (`handoff_kv_all`)",
+        False,
+    ),
+    "handoff_kv_all": SubjectDoc(
+        ("<decode_worker_id>",), "raw KV chunks", "core NATS", "—", "that decode worker", False
+    ),
+    "handoff_commit": SubjectDoc(
+        ("<decode_worker_id>",),
+        "HandoffCommit → HandoffResult (request/reply)",
+        "core NATS",
+        "prefill workers",
+        "that decode worker",
+        False,
+    ),
+    "handoff_abort": SubjectDoc(
+        ("<decode_worker_id>",),
+        "HandoffAbort",
+        "core NATS",
+        "prefill workers",
+        "that decode worker",
+        False,
+    ),
     "cache_lookup": SubjectDoc(
         (),
         "CacheLookup → CacheLookupReply / ErrorMessage (request/reply)",
@@ -195,6 +235,11 @@ ERRORS: dict[str, str] = {
 MESSAGE_TABLES: list[type[Any]] = [
     GenerateRequest, SamplingParams, CancelRequest, Routed, TokenDelta, Finished, ErrorMessage,
     UsageEvent, RouteDecision,
+]  # fmt: skip
+
+# The KV handoff's messages (fleet-internal; docs/disaggregation.md tells the whole story).
+HANDOFF_TABLES: list[type[Any]] = [
+    HandoffOffer, HandoffReply, HandoffCommit, HandoffResult, HandoffAbort,
 ]  # fmt: skip
 
 # The prefix-cache service's messages (fleet-internal; docs/cache.md tells the whole story).
@@ -345,6 +390,23 @@ def render_reference(settings: NatsSettings | None = None) -> str:
         "",
     ]
     for cls in MESSAGE_TABLES:
+        lines += _message_table(cls)
+    lines += [
+        "### KV handoff (fleet-internal)",
+        "",
+        "In a disaggregated pool the router's `Assignment.decode_workers` names the decode "
+        "workers a prefill worker may hand a request to, best first. The prefill worker offers "
+        "it (`HandoffOffer`, request/reply); an accepting decode worker names a `kv_subject` "
+        "and reserves a slot for `handoff.reservation_ttl_s`; the prefill worker publishes the "
+        "prompt's full KV blocks there (the `kv_transfer` encoding, cut into chunks as below, "
+        f"`{CHUNK_HEADER}` = 0-based index), then commits (`HandoffCommit`, request/reply). A "
+        "refusal, a missing answer or a failed commit makes the prefill worker publish "
+        "`HandoffAbort` and try the next decode worker; when none takes the request, its stream "
+        "ends with `ErrorMessage` `no_capacity`. After a successful commit the decode worker "
+        "alone writes the stream, from `HandoffOffer.next_seq`.",
+        "",
+    ]
+    for cls in HANDOFF_TABLES:
         lines += _message_table(cls)
     lines += [
         "### Prefix cache (fleet-internal)",

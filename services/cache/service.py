@@ -27,9 +27,9 @@ from nats.js import JetStreamContext
 
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
-from libs.kv_cache_client import FetchError, chunk_limit, join_chunks, publish_chunks
+from libs.kv_cache_client import FetchError, chunk_limit, join_chunks
 from libs.log import fields
-from libs.nats_util import cache_events_stream_config, ensure_stream
+from libs.nats_util import cache_events_stream_config, ensure_stream, publish_chunks
 from libs.protocol import (
     CHUNK_HEADER,
     TRANSFER_HEADER,

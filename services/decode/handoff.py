@@ -32,7 +32,7 @@ from libs.engine.kv_manager import blocks_for
 from libs.engine.kv_transfer import decode as decode_kv
 from libs.log import fields
 from libs.protocol import (
-    KV_CHUNK_HEADER,
+    CHUNK_HEADER,
     HandoffAbort,
     HandoffCommit,
     HandoffOffer,
@@ -138,15 +138,11 @@ class HandoffReceiver:
             metrics.HANDOFF_CHUNKS_DROPPED.inc()
             return
         try:
-            index_s, count_s = (msg.headers or {}).get(KV_CHUNK_HEADER, "").split("/")
-            index, count = int(index_s), int(count_s)
+            index = int((msg.headers or {}).get(CHUNK_HEADER, ""))
         except ValueError:
             metrics.HANDOFF_CHUNKS_DROPPED.inc()
             return
-        if count != len(t.chunks):
-            metrics.HANDOFF_CHUNKS_DROPPED.inc()
-            return
-        t.add(index, msg.data)
+        t.add(index, msg.data)  # out of range or repeated: ignored
 
     # ------------------------------------------------------------ commit
 

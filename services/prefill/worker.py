@@ -34,10 +34,10 @@ from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_transfer import KvBlocks, split
 from libs.engine.kv_transfer import encode as encode_kv
+from libs.kv_cache_client import chunk_limit
 from libs.log import fields
-from libs.nats_util import StreamWriter
+from libs.nats_util import StreamWriter, publish_chunks
 from libs.protocol import (
-    KV_CHUNK_HEADER,
     Assignment,
     ErrorMessage,
     Finished,
@@ -58,9 +58,6 @@ from services.decode import metrics
 from services.decode.worker import Worker
 
 log = logging.getLogger("strait.prefill")
-
-# Room left in each KV chunk message for NATS headers and subject.
-CHUNK_HEADROOM_BYTES = 4096
 
 
 class PrefixCache(Protocol):
@@ -93,9 +90,7 @@ class PrefillWorker(Worker):
         self.engine = backend
         self.cache = cache
         self.cfg = settings.handoff
-        self.chunk_bytes = self.cfg.chunk_bytes or max(
-            settings.nats.max_payload - CHUNK_HEADROOM_BYTES, 1
-        )
+        self.chunk_bytes = chunk_limit(nc, settings, self.cfg.chunk_bytes)
         self._stores: set[asyncio.Task[None]] = set()
 
     async def serve(
@@ -327,10 +322,7 @@ class PrefillWorker(Worker):
         if not accepted.accepted:
             return f"refused: {accepted.reason}"
         try:
-            for i, piece in enumerate(pieces):
-                await self.nc.publish(
-                    accepted.kv_subject, piece, headers={KV_CHUNK_HEADER: f"{i}/{len(pieces)}"}
-                )
+            await publish_chunks(self.nc, accepted.kv_subject, pieces, {})
             commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid)
             raw = await self._request(self.subjects.handoff_commit(decode_id), commit, timeout)
             result = msgspec.json.decode(raw, type=HandoffResult) if raw is not None else None
