@@ -305,7 +305,9 @@ class HandoffOffer(Struct, kw_only=True):
     assignment: Assignment
     prefill_worker_id: str
     prompt_token_ids: list[int]  # as the prefill worker tokenized them (no re-tokenizing)
-    first_token_id: int  # sampled by the prefill worker with the request's sampling params
+    # Sampled by the prefill worker with the request's sampling params; None when the request
+    # has n > 1 choices (the decode worker samples every first token itself).
+    first_token_id: int | None = None
     first_logprobs: LogprobEntry | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill side served from a prefix cache
     kv_blocks: int = 0  # full prompt blocks that follow; the decode side computes the rest

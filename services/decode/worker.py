@@ -156,7 +156,9 @@ class Worker:
         # Aggregated mode runs both phases here: "prefill" until the first token, then "decode".
         # A handed-off request is in its decode phase from the start.
         phase = self._tracer.start_span("decode" if handoff else "prefill", context=phase_ctx)
-        resume = Resume(handoff.first_token_id, handoff.first_logprobs) if handoff else None
+        resume = None
+        if handoff is not None and handoff.first_token_id is not None:
+            resume = Resume(handoff.first_token_id, handoff.first_logprobs)
         try:
             if req.want_route and handoff is None:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))

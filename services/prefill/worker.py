@@ -125,7 +125,11 @@ class PrefillWorker(Worker):
             )
             usage.prompt_tokens = len(prompt.token_ids)
             from_service = await self._fetch_cached(prompt)
-            res = await self.engine.prefill(rid, prompt, req.sampling, req.priority)
+            # n > 1: compute the prompt only; the decode worker samples every choice's first
+            # token from the same logits, as an aggregated worker would.
+            many = req.sampling.n > 1
+            one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
+            res = await self.engine.prefill(rid, prompt, one, req.priority)
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
             metrics.TTFT.observe(prefill_s)
@@ -140,7 +144,7 @@ class PrefillWorker(Worker):
                 }
             )
             self._store_later(res)
-            if chunk.finish_reason == "stop" or req.sampling.max_tokens == 1:
+            if not many and (chunk.finish_reason == "stop" or req.sampling.max_tokens == 1):
                 usage.completion_tokens = len(chunk.token_ids)
                 await self._finish_here(out, a, res, usage, prefill_s, started)
                 return
@@ -272,8 +276,8 @@ class PrefillWorker(Worker):
                 assignment=a,
                 prefill_worker_id=self.worker_id,
                 prompt_token_ids=prompt.token_ids,
-                first_token_id=c.token_ids[0],
-                first_logprobs=c.logprobs[0] if c.logprobs else None,
+                first_token_id=None if a.request.sampling.n > 1 else c.token_ids[0],
+                first_logprobs=c.logprobs[0] if c.logprobs and a.request.sampling.n == 1 else None,
                 num_cached_tokens=usage.cached_tokens,
                 kv_blocks=len(res.kv.header.block_hashes) if res.kv is not None else 0,
                 kv_bytes=len(payload),

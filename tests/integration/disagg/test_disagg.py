@@ -160,6 +160,26 @@ async def test_disaggregated_output_equals_aggregated_and_generate(disagg: Fleet
         assert not h.worker.tasks
 
 
+async def test_seeded_sampling_and_several_choices_cross_the_handoff_unchanged(
+    disagg: Fleet,
+) -> None:
+    ids = prompts(5)[4]
+    async with StraitClient.from_settings(disagg.settings) as client:
+        for kw in (
+            dict(temperature=0.9, top_p=0.9, seed=7, logprobs=2),
+            dict(temperature=0.8, seed=3, n=3, frequency_penalty=0.5),
+        ):
+            dis, agg = [
+                await client.complete(
+                    prompt_token_ids=ids, model=pool, max_tokens=8, ignore_eos=True, **kw
+                )
+                for pool in ("dis", "agg")
+            ]
+            assert dis.token_ids == agg.token_ids and dis.texts == agg.texts
+            assert len(dis.token_ids) == kw.get("n", 1)
+            assert dis.finished.worker_id.startswith("dis-d")
+
+
 async def test_a_request_that_ends_at_its_first_token_never_leaves_prefill(disagg: Fleet) -> None:
     async with StraitClient.from_settings(disagg.settings) as client:
         c = await client.complete(
