@@ -11,6 +11,11 @@ KV_BLOCKS_FREE = Gauge("strait_worker_kv_blocks_free", "KV blocks free (incl. ev
 TTFT = Histogram("strait_worker_ttft_seconds", "Assignment to first token", buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("strait_worker_requests_total", "Requests finished by status", ["status"])
 OUTPUT_TOKENS = Counter("strait_worker_output_tokens_total", "Tokens generated")
+PROMPT_TOKENS = Counter(
+    "strait_worker_prompt_tokens_total",
+    "Prompt tokens by how they were served: computed, or cached (prefix cache, incl. imported)",
+    ["kind"],
+)
 CANCELLED = Counter("strait_worker_cancels_total", "Cancel messages that aborted a request")
 ITL = Histogram(
     "strait_worker_itl_seconds",

@@ -65,6 +65,9 @@ class Worker:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.draining = False
         self._tracer = tracer("strait.worker")
+        # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_cached = 0
 
     # ------------------------------------------------------------ NATS handlers
 
@@ -117,6 +120,12 @@ class Worker:
             await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+
+    def count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens_computed += prompt_tokens - cached_tokens
+        self.prompt_tokens_cached += cached_tokens
+        metrics.PROMPT_TOKENS.labels(kind="computed").inc(prompt_tokens - cached_tokens)
+        metrics.PROMPT_TOKENS.labels(kind="cached").inc(cached_tokens)
 
     def load_capacity(self) -> int:
         return self.backend.load().capacity
@@ -177,6 +186,7 @@ class Worker:
                     span.add_event("first_token")
                     metrics.TTFT.observe(ttft)
                     if handoff is None:
+                        self.count_prompt(usage.prompt_tokens, chunk.num_cached_tokens)
                         phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
                         phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
                         phase.set_attribute(

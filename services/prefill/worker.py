@@ -134,6 +134,7 @@ class PrefillWorker(Worker):
             prefill_s = time.perf_counter() - started
             metrics.TTFT.observe(prefill_s)
             usage.cached_tokens = chunk.num_cached_tokens  # local and imported hits
+            self.count_prompt(usage.prompt_tokens, usage.cached_tokens)
             span.set_attributes(
                 {
                     "strait.prompt_tokens": usage.prompt_tokens,

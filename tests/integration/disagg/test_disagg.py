@@ -55,6 +55,7 @@ class Fleet:
     model: torch.nn.Module
     prefill: WorkerHandle
     decoders: list[WorkerHandle]
+    prefills: list[WorkerHandle]
     aggregated: WorkerHandle
     cache: CacheService
 
@@ -112,7 +113,7 @@ async def disagg(settings: Settings, tmp_path: Path, with_cache: bool) -> AsyncI
         ]
         await f.wait_workers(4)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        yield Fleet(f, settings, model, prefills[0], decoders, agg, service)
+        yield Fleet(f, settings, model, prefills[0], decoders, prefills, agg, service)
         for h in f.workers:
             await h.backend.stop()
     if with_cache:
@@ -297,15 +298,79 @@ async def test_a_prefix_stored_by_one_prefill_worker_is_fetched_by_another(
             break
         await asyncio.sleep(0.05)
     await nc.drain()
+    p0, p1 = disagg.prefills
+    assert (p1.worker.prompt_tokens_computed, p1.worker.prompt_tokens_cached) == (0, 0)
     second = await assign_and_read(disagg, assignment(disagg, ids, ["dis-d1"]), prefill="dis-p1")
+    # The same prompt again on the worker that computed it: its own prefix cache.
+    third = await assign_and_read(disagg, assignment(disagg, ids, ["dis-d0"]), prefill="dis-p0")
     expected = reference_greedy(disagg.model, ids, GREEDY.max_tokens)
-    for messages in (first, second):
+    for messages in (first, second, third):
         assert [t for m in messages if isinstance(m, TokenDelta) for t in m.token_ids] == expected
     assert isinstance(first[-1], Finished) and first[-1].usage.cached_tokens == 0
     assert isinstance(second[-1], Finished) and second[-1].usage.cached_tokens == 36
+    assert isinstance(third[-1], Finished) and third[-1].usage.cached_tokens == 36
+    # The workers' own counters: only the 4 uncached tokens were computed the second time.
+    assert (p1.worker.prompt_tokens_computed, p1.worker.prompt_tokens_cached) == (4, 36)
+    assert (p0.worker.prompt_tokens_computed, p0.worker.prompt_tokens_cached) == (40 + 4, 36)
+
+
+@pytest.mark.parametrize("with_cache", [True])
+async def test_cache_service_down_still_serves_every_request(disagg: Fleet) -> None:
+    await disagg.cache.close(drain_timeout_s=1.0)
+    ids = prompts(3)[2]
+    async with StraitClient.from_settings(disagg.settings) as client:
+        results = await asyncio.gather(*(run(client, "dis", ids) for _ in range(3)))
+    expected = reference_greedy(disagg.model, ids, GREEDY.max_tokens)
+    assert all(r.token_ids[0] == expected for r in results)
+    await assert_idle(disagg)
+
+
+@pytest.mark.parametrize("with_cache", [True])
+async def test_prefill_worker_killed_after_offering_is_replaced(disagg: Fleet) -> None:
+    """The prefill worker dies right after offering a request to a decode worker: the decode
+    side drops the reservation, the router places the request on the other prefill worker, and
+    the client gets the whole, correct answer."""
+    s = Subjects(disagg.settings.nats.subject_prefix)
+    spy = await nats.connect(disagg.settings.nats.url)
+    killed: list[str] = []
+    handles = {h.worker_id: h for h in disagg.prefills}
+
+    async def on_offer(msg: nats.aio.msg.Msg) -> None:
+        offer = msgspec.json.decode(msg.data, type=HandoffOffer)
+        if not killed:
+            killed.append(offer.prefill_worker_id)
+            await handles[offer.prefill_worker_id].kill()
+
+    for d in disagg.decoders:
+        await spy.subscribe(s.handoff_offer(d.worker_id), cb=on_offer)
+    ids = prompts(6)[5]
+    async with StraitClient.from_settings(disagg.settings) as client:
+        c = await run(client, "dis", ids)
+    assert c.token_ids[0] == reference_greedy(disagg.model, ids, GREEDY.max_tokens)
+    assert len(killed) == 1
+    (survivor,) = (h for h in disagg.prefills if h.worker_id != killed[0])
+    assert survivor.worker.prompt_tokens_computed + survivor.worker.prompt_tokens_cached == len(ids)
+    await spy.drain()
+    await asyncio.sleep(disagg.settings.handoff.reservation_ttl_s + 0.5)
+    await assert_idle(disagg, skip=killed)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+async def assert_idle(f: Fleet, skip: list[str] = ()) -> None:  # type: ignore[assignment]
+    """Every live worker is back to its idle state: no request, no reservation, no block in use
+    (cached blocks count as free)."""
+    for _ in range(50):
+        busy = [
+            h.worker_id
+            for h in f.fleet.workers
+            if h.worker_id not in skip and (h.worker.tasks or h.backend.load().kv_blocks_used)
+        ]
+        if not busy:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not idle: {busy}")
 
 
 def assignment(f: Fleet, ids: list[int], decode_workers: list[str]) -> Assignment:
