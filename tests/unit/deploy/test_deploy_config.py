@@ -1,7 +1,8 @@
 """The deployment files checked against the code (no Docker engine or cluster needed).
 
-docker-compose.yml, deploy/k8s (raw base, and base / overlays / components as kustomize renders
-them when ``kubectl`` is on PATH), deploy/prometheus, deploy/grafana, deploy/nats, Dockerfile:
+docker-compose.yml (with its "disaggregated" profile), deploy/k8s (raw base, and base /
+overlays / components as kustomize renders them when ``kubectl`` is on PATH), deploy/prometheus,
+deploy/grafana, deploy/nats, Dockerfile:
 
 - every Strait container runs a real ``strait`` subcommand (``services.cli._parser()``);
 - every ``STRAIT_*`` variable is a real settings field (walks ``libs.settings.Settings``);
@@ -9,7 +10,9 @@ them when ``kubectl`` is on PATH), deploy/prometheus, deploy/grafana, deploy/nat
   at, through the ConfigMap mount) listen on the ports its probes, Services, scrape annotations,
   compose healthchecks and Prometheus targets use;
 - KEDA triggers name the real requests stream and the router's durable consumer;
-- the dashboard's PromQL uses metric names the services register, or listed future ones.
+- a disaggregated pool has prefill and decode workers (each with a budget and a ScaledObject)
+  and, with ``cache.enabled``, exactly one cache service;
+- the dashboard's PromQL uses only metric names the services register.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import yaml
 from pydantic import BaseModel
 
 from libs.nats_util import stream_configs
-from libs.settings import NatsSettings, Settings
+from libs.settings import CacheSettings, NatsSettings, Settings
+from services.cache.main import DRAIN_TIMEOUT_S as CACHE_DRAIN_TIMEOUT_S
 from services.cli import SERVICES, _parser
 from services.decode.main import DRAIN_TIMEOUT_S
+from services.prefill.main import DRAIN_TIMEOUT_S as PREFILL_DRAIN_TIMEOUT_S
 from services.router.main import ROUTER_DURABLE
 
 pytestmark = pytest.mark.unit
@@ -47,15 +52,7 @@ DASHBOARD = DEPLOY / "grafana" / "strait-dashboard.json"
 
 # STRAIT_* names read by the code that are not settings fields.
 NON_FIELD_ENV = {"STRAIT_CONFIG", "STRAIT_STATE_DIR", "STRAIT_PARENT_PID"}
-# Metrics the dashboard already charts but no service registers yet (name -> type).
-EXPECTED_FUTURE_METRICS = {
-    "strait_worker_itl_seconds": "histogram",
-    "strait_cache_queries_total": "counter",
-    "strait_cache_hits_total": "counter",
-    "strait_handoff_bytes_total": "counter",
-    "strait_handoff_seconds": "histogram",
-}
-# Existing metrics the dashboard must chart (issue #7).
+# Metrics the dashboard must chart (issue #7; KV handoff and prefix-cache service: issue #6).
 REQUIRED_ON_DASHBOARD = {
     "strait_gateway_ttft_seconds_bucket",
     "strait_gateway_e2e_seconds_bucket",
@@ -63,7 +60,26 @@ REQUIRED_ON_DASHBOARD = {
     "strait_worker_running_requests",
     "strait_worker_waiting_requests",
     "strait_worker_kv_blocks_used",
+    "strait_worker_itl_seconds_bucket",
     "strait_router_decisions_total",
+    "strait_handoff_total",
+    "strait_handoff_bytes_total",
+    "strait_handoff_seconds_bucket",
+    "strait_cache_queries_total",
+    "strait_cache_hits_total",
+    "strait_cache_misses_total",
+    "strait_cache_bytes",
+    "strait_cache_blocks",
+    "strait_cache_evictions_total",
+    "strait_cache_requests_total",
+    "strait_cache_request_seconds_bucket",
+    "strait_cache_transfer_bytes_total",
+}
+# Labels the dashboard must break these down by.
+REQUIRED_BREAKDOWNS = {
+    "strait_handoff_total": {"side", "outcome"},
+    "strait_handoff_bytes_total": {"side"},
+    "strait_cache_misses_total": {"reason"},
 }
 # Stand-ins for values that only exist in a cluster (Secrets, the downward API).
 VALUE_FROM_PLACEHOLDER = "from-cluster"
@@ -112,7 +128,17 @@ def listen_port(role: str, s: Settings) -> int | None:
         return s.router.metrics_port
     if role in ("decode", "prefill"):
         return s.worker.metrics_port
+    if role == "cache":
+        return s.cache.metrics_port
     return None
+
+
+# Seconds each long-running role drains for on SIGTERM (its pods' grace period must exceed it).
+DRAIN_S = {
+    "decode": DRAIN_TIMEOUT_S,
+    "prefill": PREFILL_DRAIN_TIMEOUT_S,
+    "cache": CACHE_DRAIN_TIMEOUT_S,
+}
 
 
 def assert_real_subcommand(argv: list[str], where: str) -> None:
@@ -128,8 +154,14 @@ def exposed_metric_names() -> set[str]:
 
     for path in sorted([*ROOT.glob("services/*/metrics.py"), *ROOT.glob("libs/**/metrics.py")]):
         importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    from services.cache.metrics import StoreCollector
+    from services.cache.store import BlockStore
+
+    # The cache service registers its store's collector only while it serves (services/cache/
+    # main.py): collect one over an empty store for the names.
+    store_families = StoreCollector(BlockStore(CacheSettings())).collect()
     names: set[str] = set()
-    for family in REGISTRY.collect():
+    for family in [*REGISTRY.collect(), *store_families]:
         names |= sample_names(family.name, family.type)
     return names
 
@@ -210,7 +242,13 @@ def gpu_with_ttft(tmp: Path) -> Path:
     return tmp
 
 
-VARIANTS = ["base-raw", "base", "gpu", "gpu+ttft"]
+VARIANTS = ["base-raw", "base", "gpu", "gpu+ttft", "disagg", "gpu+disagg"]
+OVERLAYS = {
+    "base": K8S / "base",
+    "gpu": K8S / "overlays" / "gpu",
+    "disagg": K8S / "overlays" / "disaggregated",
+    "gpu+disagg": K8S / "overlays" / "gpu-disaggregated",
+}
 
 
 @pytest.fixture(params=VARIANTS)
@@ -218,8 +256,7 @@ def k8s(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, list[dict[
     name = request.param
     if name == "base-raw":
         return name, base_docs()
-    path = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}.get(name)
-    return name, kustomize(path or gpu_with_ttft(tmp_path))
+    return name, kustomize(OVERLAYS.get(name) or gpu_with_ttft(tmp_path))
 
 
 def strait_containers(docs: list[dict[str, Any]]) -> Iterator[Container]:
@@ -305,7 +342,7 @@ def test_every_deployment_file_parses() -> None:
 def test_compose_runs_real_subcommands_with_real_settings() -> None:
     services = compose_strait_services()
     roles = {svc["command"][0] for svc in services.values()}
-    assert {"gateway", "router", "decode"} <= roles
+    assert {"gateway", "router", "decode", "prefill", "cache"} <= roles
     for name, svc in services.items():
         assert_real_subcommand(svc["command"], f"compose service {name}")
         assert svc["command"][0] in LONG_RUNNING_ROLES
@@ -334,10 +371,38 @@ def test_compose_ports_and_healthchecks_match_the_services() -> None:
             assert s.gateway.host == "0.0.0.0", "the gateway must listen beyond loopback"
         else:
             assert s.telemetry.http_host == "0.0.0.0", f"compose {name}: listener on loopback"
-        if role == "decode":
+        if role in ("decode", "prefill"):
             assert s.pool(s.worker.pool), f"compose {name}: pool {s.worker.pool} not configured"
             worker_ids.append(s.worker.worker_id)
     assert all(worker_ids) and len(set(worker_ids)) == len(worker_ids), worker_ids
+
+
+def test_compose_disaggregated_profile() -> None:
+    """Profile "disaggregated": one pool with a prefill and a decode worker of the right roles
+    and mode, the cache service, prefill workers with the cache client on; nothing else."""
+    services = compose_strait_services()
+    profiled = {n: svc for n, svc in services.items() if "disaggregated" in svc.get("profiles", [])}
+    assert {svc["command"][0] for svc in profiled.values()} == {"cache", "prefill", "decode"}
+    pools: dict[str, set[str]] = {}
+    for name, svc in services.items():
+        role, s = svc["command"][0], effective_settings(compose_env(svc))
+        if role not in ("decode", "prefill"):
+            continue
+        pool = s.pool(s.worker.pool)
+        assert pool, name
+        expected = {"prefill": "prefill"}.get(
+            role, "decode" if pool.mode == "disaggregated" else "aggregated"
+        )
+        assert s.worker.role == expected, f"compose {name}: role {s.worker.role} in {pool}"
+        assert (name in profiled) == (pool.mode == "disaggregated"), name
+        pools.setdefault(pool.name, set()).add(s.worker.role)
+        if role == "prefill":
+            assert pool.mode == "disaggregated" and s.cache.enabled, name
+    disaggregated = [p for p, roles in pools.items() if "prefill" in roles]
+    assert disaggregated, "no disaggregated pool in compose"
+    for p in disaggregated:
+        assert pools[p] == {"prefill", "decode"}, f"pool {p} mixes roles: {pools[p]}"
+    assert sum(svc["command"][0] == "cache" for svc in services.values()) == 1
 
 
 def test_compose_infrastructure() -> None:
@@ -382,7 +447,11 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
 def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     variant, docs = k8s
     containers = list(strait_containers(docs))
-    assert {c.role for c in containers} >= {"gateway", "router", "decode"}, variant
+    roles = {"gateway", "router", "decode"}
+    if "disagg" in variant:
+        roles |= {"prefill", "cache"}
+    assert {c.role for c in containers} == roles, variant
+    pools_seen = set()
     services = by_kind(docs, "Service")
     for c in containers:
         assert_real_subcommand(c.spec["args"], c.where)
@@ -413,35 +482,66 @@ def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -
         if c.role == "gateway":
             assert s.gateway.host == "0.0.0.0", "the gateway must listen beyond loopback"
             assert s.gateway.open_metrics or ann.get("prometheus.io/scrape") != "true"
-        if c.role == "decode":
+        if c.role in DRAIN_S:
+            assert c.pod["spec"]["terminationGracePeriodSeconds"] > DRAIN_S[c.role], c.where
+        if c.role in ("decode", "prefill"):
             assert s.pool(s.worker.pool), f"{c.where}: pool {s.worker.pool} not in settings"
             assert s.worker.worker_id, f"{c.where}: worker_id unset"
-            assert c.pod["spec"]["terminationGracePeriodSeconds"] > DRAIN_TIMEOUT_S
             assert s.engine.kv_cache_bytes > 0 or s.engine.device.startswith("cuda"), (
                 f"{c.where}: on CPU the KV fraction reads the node's memory, not the pod's"
             )
-        if variant.startswith("gpu") and c.role == "decode":
-            assert s.engine.device == "cuda", c.where
-            for kind in ("requests", "limits"):
-                assert int(c.spec["resources"][kind]["nvidia.com/gpu"]) >= 1, c.where
+            if variant.startswith("gpu"):
+                assert s.engine.device == "cuda", c.where
+                for kind in ("requests", "limits"):
+                    assert int(c.spec["resources"][kind]["nvidia.com/gpu"]) >= 1, c.where
+        if c.role == "cache":
+            assert s.cache.enabled, c.where
+        # One ConfigMap for every role: they agree on the pools and their modes.
+        pools_seen.add(json.dumps([p.model_dump() for p in s.pools], sort_keys=True))
+    assert len(pools_seen) == 1, f"{variant}: roles disagree on the pools"
 
 
 def test_k8s_pools_have_workers_budgets_and_autoscaling(
     k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     variant, docs = k8s
-    workers, pool_names = {}, set()
+    # (pool, role) -> the Deployment's container; role as the process sees it.
+    workers: dict[tuple[str, str], Container] = {}
+    caches: list[Container] = []
+    settings: Settings | None = None
     for c in strait_containers(docs):
-        if c.role == "decode":
-            s = effective_settings(container_env(c, docs, tmp_path))
-            workers[s.worker.pool] = c
-            pool_names |= {p.name for p in s.pools}
-    assert workers and set(workers) == pool_names, "one worker Deployment per configured pool"
+        s = effective_settings(container_env(c, docs, tmp_path))
+        if c.role in ("decode", "prefill"):
+            role = "prefill" if c.role == "prefill" else s.worker.role
+            assert (s.worker.pool, role) not in workers, f"two Deployments for {role} {c.where}"
+            workers[(s.worker.pool, role)] = c
+        if c.role == "cache":
+            caches.append(c)
+        settings = s
+    assert settings is not None
+    expected = set()
+    for p in settings.pools:
+        roles = ("prefill", "decode") if p.mode == "disaggregated" else ("aggregated",)
+        expected |= {(p.name, r) for r in roles}
+    assert set(workers) == expected, "one worker Deployment per configured pool and role"
+    disaggregated = any(p.mode == "disaggregated" for p in settings.pools)
+    # One cache service per fleet (no queue group): never two pods at once, never autoscaled.
+    assert len(caches) == (1 if disaggregated and settings.cache.enabled else 0), variant
+    for c in caches:
+        assert c.workload["spec"]["replicas"] == 1, c.where
+        assert c.workload["spec"]["strategy"]["type"] == "Recreate", c.where
     pdbs = by_kind(docs, "PodDisruptionBudget")
     scaled = {so["spec"]["scaleTargetRef"]["name"]: so for so in by_kind(docs, "ScaledObject")}
+    assert not {c.workload["metadata"]["name"] for c in caches} & set(scaled), variant
     streams = {c.name for c in stream_configs(NatsSettings())}
     metrics = exposed_metric_names()
-    for pool, c in workers.items():
+    for pod in [c.pod for c in strait_containers(docs)]:
+        labels = pod["metadata"]["labels"]
+        budgets = [p for p in pdbs if selects(p["spec"]["selector"]["matchLabels"], labels)]
+        assert len(budgets) <= 1, (
+            f"a pod under two PodDisruptionBudgets cannot be evicted: {labels}"
+        )
+    for (pool, role), c in workers.items():
         labels = c.pod["metadata"]["labels"]
         assert any(selects(p["spec"]["selector"]["matchLabels"], labels) for p in pdbs), pool
         name = c.workload["metadata"]["name"]
@@ -451,7 +551,7 @@ def test_k8s_pools_have_workers_budgets_and_autoscaling(
         assert so["spec"]["minReplicaCount"] >= 1, "the router does not wait for a worker"
         kinds = [t["type"] for t in so["spec"]["triggers"]]
         assert "nats-jetstream" in kinds, name
-        if variant == "gpu+ttft":
+        if variant == "gpu+ttft" and role == "aggregated":
             assert "prometheus" in kinds, name
         for t in so["spec"]["triggers"]:
             meta = t["metadata"]
@@ -465,6 +565,16 @@ def test_k8s_pools_have_workers_budgets_and_autoscaling(
                 assert promql_metrics(meta["query"]) <= metrics, meta["query"]
 
 
+def test_disaggregated_component_config_differs_from_base_only_in_pools_and_cache() -> None:
+    """components/disaggregated replaces base/strait.toml: only [cache] and [[pools]] differ."""
+    base = tomllib.loads((K8S / "base" / "strait.toml").read_text())
+    disagg = tomllib.loads((K8S / "components" / "disaggregated" / "strait.toml").read_text())
+    for key in ("cache", "pools"):
+        base.pop(key, None)
+        disagg.pop(key, None)
+    assert disagg == base
+
+
 def test_nats_helm_values() -> None:
     values = yaml.safe_load((K8S / "nats-values.yaml").read_text())["config"]
     assert values["cluster"]["enabled"] and values["cluster"]["replicas"] == 3
@@ -476,11 +586,21 @@ def test_nats_helm_values() -> None:
 def test_dashboard_queries_real_metrics() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
-    used = {m for p in panels for t in p.get("targets", []) for m in promql_metrics(t["expr"])}
-    future = {n for name, kind in EXPECTED_FUTURE_METRICS.items() for n in sample_names(name, kind)}
-    unknown = used - exposed_metric_names() - future
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    used = {m for e in exprs for m in promql_metrics(e)}
+    unknown = used - exposed_metric_names()
     assert not unknown, f"dashboard queries metrics nobody registers: {sorted(unknown)}"
     assert REQUIRED_ON_DASHBOARD <= used, sorted(REQUIRED_ON_DASHBOARD - used)
+    for metric, labels in REQUIRED_BREAKDOWNS.items():
+        by = [
+            set(re.findall(r"\w+", m.group(1)))
+            for e in exprs
+            if metric in promql_metrics(e)
+            for m in re.finditer(r"by \(([^)]*)\)", e)
+        ]
+        assert any(labels <= b for b in by), f"no panel shows {metric} by {sorted(labels)}"
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
 
 
 def test_dockerfile_builds_the_one_image() -> None:
