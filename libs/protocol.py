@@ -285,7 +285,8 @@ class KvEvent(Struct, kw_only=True):
 #
 #   offer ──HandoffOffer (request/reply)──► decode: room? ──HandoffReply(accepted=False)──► next
 #     │                                                    (refused: draining / full / too big)
-#     ▼ accepted (decode reserves a slot until handoff.timeout_s)
+#     ▼ accepted (decode reserves a slot until handoff.reservation_ttl_s; says how many leading
+#     │          offered blocks it already holds: only the rest are sent)
 #   blocks ──raw KV chunks (core NATS) on reply.kv_subject, CHUNK_HEADER = index 0..n-1──►
 #     ▼
 #   commit ──HandoffCommit (request/reply)──► decode: all chunks? import, admit
@@ -310,9 +311,10 @@ class HandoffOffer(Struct, kw_only=True):
     first_token_id: int | None = None
     first_logprobs: LogprobEntry | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill side served from a prefix cache
-    kv_blocks: int = 0  # full prompt blocks that follow; the decode side computes the rest
-    kv_bytes: int = 0
-    kv_chunks: int = 0
+    # Chain hashes of the prompt's full blocks the prefill side can send, in prefix order; the
+    # decode side computes whatever they do not cover.
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    kv_bytes: int = 0  # bytes of all of them (the decode side may need fewer)
     next_seq: int = 1  # the decode worker's first stream message gets this seq
     prefill_s: float = 0.0  # prefill worker: assignment → first token
 
@@ -322,6 +324,9 @@ class HandoffReply(Struct):
     accepted: bool = False
     reason: str = ""  # refused: "draining" | "full" | "too_large" | "duplicate" | error text
     kv_subject: str = ""  # where to publish the KV chunks
+    # Leading offered blocks the decode worker already holds in its prefix cache: the prefill
+    # side sends only the blocks after them.
+    cached_blocks: int = 0
 
 
 class HandoffCommit(Struct, kw_only=True):
@@ -331,6 +336,9 @@ class HandoffCommit(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     transfer_id: str
     request_id: str
+    kv_blocks: int = 0  # blocks sent (after HandoffReply.cached_blocks)
+    kv_bytes: int = 0
+    kv_chunks: int = 0  # chunk messages published before this commit
 
 
 class HandoffResult(Struct):

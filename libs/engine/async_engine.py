@@ -140,6 +140,19 @@ class AsyncEngineBackend:
         """Blocks of the whole KV cache (0 before :meth:`start`)."""
         return self._engine.pool.num_blocks if self._engine is not None else 0
 
+    def cached_prefix_blocks(self, block_hashes: list[int]) -> int:
+        """Leading ``block_hashes`` this engine's prefix cache holds now. Read from the event
+        loop without locking: a block evicted right after is recomputed, never misused."""
+        engine = self._engine
+        if engine is None:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if engine.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
     # ------------------------------------------------------------------ Backend API
 
     def prepare(

@@ -63,6 +63,20 @@ class KvBlocks:
         return cls(header, data.contiguous().cpu())
 
 
+def tail(kv: KvBlocks, skip: int) -> KvBlocks | None:
+    """``kv`` without its first ``skip`` blocks (None when nothing is left). Chain hashes name
+    each block with its whole prefix, so the tail imports correctly wherever the head is held."""
+    n = len(kv.header.block_hashes)
+    if skip <= 0:
+        return kv
+    if skip >= n:
+        return None
+    h = kv.header
+    return KvBlocks.from_tensor(
+        h.model_id, h.block_hashes[skip:], kv.data[:, :, :, skip:], h.layer_start
+    )
+
+
 def encode(kv: KvBlocks) -> bytes:
     header = msgspec.json.encode(kv.header)
     raw = kv.data.contiguous().view(torch.uint8).numpy().tobytes()

@@ -5,10 +5,11 @@ Used by ``strait decode`` when ``worker.role = "decode"``: it subscribes :meth:`
 runs :meth:`sweep_loop`. Per transfer:
 
     offer   → refuse (draining / full / too large / duplicate) or reserve a slot until
-              ``handoff.reservation_ttl_s`` and answer with the subject for the KV chunks
+              ``handoff.reservation_ttl_s`` and answer with the subject for the KV chunks and
+              how many leading offered blocks this engine already holds (not sent again)
     chunks  → buffered in memory (bytes only; no engine blocks are taken yet)
-    commit  → every chunk here? decode the blocks, import them into the engine's prefix cache,
-              start the request (``Worker.serve`` with the offer), answer ok
+    commit  → the count of chunks sent; all here? decode the blocks, import them into the
+              engine's prefix cache, start the request (``Worker.serve`` with the offer)
     abort   → forget the transfer; if the request already started here, cancel it (the prefill
               side gave up on it and tells the client)
 
@@ -28,6 +29,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
 from libs.backend import BackendError
+from libs.engine.async_engine import AsyncEngineBackend
 from libs.engine.kv_manager import blocks_for
 from libs.engine.kv_transfer import decode as decode_kv
 from libs.log import fields
@@ -54,23 +56,30 @@ log = logging.getLogger("strait.handoff")
 class _Transfer:
     offer: HandoffOffer
     deadline: float  # time.monotonic()
-    chunks: list[bytes | None] = field(default_factory=list)
+    chunks: dict[int, bytes] = field(default_factory=dict)  # index → raw chunk
+    expected: int | None = None  # chunk count, known from the commit
     complete: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, index: int, data: bytes) -> None:
-        if 0 <= index < len(self.chunks) and self.chunks[index] is None:
-            self.chunks[index] = data
-            if all(c is not None for c in self.chunks):
-                self.complete.set()
+        self.chunks.setdefault(index, data)
+        self._check()
+
+    def expect(self, n: int) -> None:
+        self.expected = n
+        self._check()
+
+    def _check(self) -> None:
+        if self.expected is not None and all(i in self.chunks for i in range(self.expected)):
+            self.complete.set()
 
 
 class HandoffReceiver:
-    def __init__(self, worker: Worker, max_blocks: int) -> None:
+    def __init__(self, worker: Worker, engine: AsyncEngineBackend) -> None:
         self.worker = worker
         self.nc = worker.nc
         self.subjects = worker.subjects
         self.cfg = worker.settings.handoff
-        self.max_blocks = max_blocks  # the engine's whole KV cache, in blocks
+        self.engine = engine  # the worker's backend: prefix-cache queries and imports
         self.transfers: dict[str, _Transfer] = {}
         # request id → transfer id of requests started here from a handoff
         self.started: dict[str, str] = {}
@@ -101,7 +110,7 @@ class HandoffReceiver:
         if len(w.tasks) + len(self.transfers) >= w.settings.worker.max_waiting + w.load_capacity():
             return "full"
         total = len(offer.prompt_token_ids) + offer.assignment.request.sampling.max_tokens
-        if blocks_for(total, w.backend.load().block_size) > self.max_blocks:
+        if blocks_for(total, w.backend.load().block_size) > self.engine.num_kv_blocks:
             return "too_large"
         return ""
 
@@ -121,13 +130,14 @@ class HandoffReceiver:
             )
             await self._answer(msg, HandoffReply(accepted=False, reason=reason))
             return
-        t = _Transfer(offer, time.monotonic() + self.cfg.reservation_ttl_s)
-        t.chunks = [None] * offer.kv_chunks
-        if not t.chunks:
-            t.complete.set()
-        self.transfers[offer.transfer_id] = t
+        self.transfers[offer.transfer_id] = _Transfer(
+            offer, time.monotonic() + self.cfg.reservation_ttl_s
+        )
         kv_subject = self.subjects.handoff_kv(self.worker.worker_id, offer.transfer_id)
-        await self._answer(msg, HandoffReply(accepted=True, kv_subject=kv_subject))
+        have = self.engine.cached_prefix_blocks(offer.block_hashes)
+        await self._answer(
+            msg, HandoffReply(accepted=True, kv_subject=kv_subject, cached_blocks=have)
+        )
 
     # ------------------------------------------------------------ chunks
 
@@ -142,7 +152,7 @@ class HandoffReceiver:
         except ValueError:
             metrics.HANDOFF_CHUNKS_DROPPED.inc()
             return
-        t.add(index, msg.data)  # out of range or repeated: ignored
+        t.add(index, msg.data)  # repeated: the first copy stays
 
     # ------------------------------------------------------------ commit
 
@@ -158,6 +168,7 @@ class HandoffReceiver:
             return
         # Chunks and the commit travel on different subscriptions: give the last chunks a
         # moment to be dispatched before calling them missing.
+        t.expect(c.kv_chunks)
         try:
             await asyncio.wait_for(t.complete.wait(), max(t.deadline - time.monotonic(), 0.0))
         except TimeoutError:
@@ -165,24 +176,24 @@ class HandoffReceiver:
         if self.transfers.pop(c.transfer_id, None) is None:  # aborted meanwhile
             await self._answer(msg, HandoffResult(ok=False, reason="unknown_transfer"))
             return
-        result = await self._admit(t, extract_context(msg.headers))
+        result = await self._admit(t, c, extract_context(msg.headers))
         outcome = "ok" if result.ok else "failed"
         metrics.HANDOFFS.labels(side="decode", outcome=outcome).inc()
         await self._answer(msg, result)
 
-    async def _admit(self, t: _Transfer, parent: Context) -> HandoffResult:
+    async def _admit(self, t: _Transfer, c: HandoffCommit, parent: Context) -> HandoffResult:
         offer = t.offer
         rid = offer.assignment.request.request_id
         if not t.complete.is_set():
-            missing = sum(1 for c in t.chunks if c is None)
-            return HandoffResult(ok=False, reason=f"missing_chunks: {missing} of {len(t.chunks)}")
-        if t.chunks:
+            missing = sum(1 for i in range(c.kv_chunks) if i not in t.chunks)
+            return HandoffResult(ok=False, reason=f"missing_chunks: {missing} of {c.kv_chunks}")
+        if c.kv_chunks:
             try:
-                kv = decode_kv(b"".join(c for c in t.chunks if c is not None))
-                await self.worker.backend.import_prefix(kv)  # type: ignore[attr-defined]
+                kv = decode_kv(b"".join(t.chunks[i] for i in range(c.kv_chunks)))
+                await self.engine.import_prefix(kv)
             except (ValueError, BackendError) as e:
                 return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
-            metrics.HANDOFF_BYTES.labels(side="decode").inc(offer.kv_bytes)
+            metrics.HANDOFF_BYTES.labels(side="decode").inc(c.kv_bytes)
         if self.worker.draining or rid in self.worker.tasks:
             return HandoffResult(
                 ok=False, reason="draining" if self.worker.draining else "duplicate"
@@ -196,8 +207,8 @@ class HandoffReceiver:
             extra=fields(
                 request_id=rid,
                 transfer_id=offer.transfer_id,
-                blocks=offer.kv_blocks,
-                bytes=offer.kv_bytes,
+                blocks=c.kv_blocks,
+                bytes=c.kv_bytes,
                 prefill_worker=offer.prefill_worker_id,
             ),
         )

@@ -55,7 +55,7 @@ async def serve(ctx: ServiceContext) -> None:
     if worker.role == "decode":  # disaggregated: requests arrive as KV handoffs
         if not isinstance(backend, AsyncEngineBackend):
             raise SystemExit("worker.role = 'decode' needs backend = 'engine' (KV handoff)")
-        receiver = HandoffReceiver(worker, backend.num_kv_blocks)
+        receiver = HandoffReceiver(worker, backend)
         subs += await receiver.subscribe()
         sweeper = asyncio.create_task(receiver.sweep_loop(ctx.stopping))
     log.info(

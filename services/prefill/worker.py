@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 from libs.backend import BackendError, PreparedPrompt
 from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
 from libs.engine.hashing import chain_hashes
-from libs.engine.kv_transfer import KvBlocks, split
+from libs.engine.kv_transfer import KvBlocks, split, tail
 from libs.engine.kv_transfer import encode as encode_kv
 from libs.kv_cache_client import chunk_limit
 from libs.log import fields
@@ -267,8 +267,7 @@ class PrefillWorker(Worker):
     ) -> str:
         """Offer the request to the decode workers in order; returns the one that committed.
         Raises HandoffFailed when none did (the caller tells the client)."""
-        payload = encode_kv(res.kv) if res.kv is not None else b""
-        pieces = split(payload, self.chunk_bytes) if payload else []
+        kv = res.kv
         c = res.chunk
         reasons: list[str] = []
         for decode_id in a.decode_workers[: self.cfg.max_offers]:
@@ -280,9 +279,8 @@ class PrefillWorker(Worker):
                 first_token_id=None if a.request.sampling.n > 1 else c.token_ids[0],
                 first_logprobs=c.logprobs[0] if c.logprobs and a.request.sampling.n == 1 else None,
                 num_cached_tokens=usage.cached_tokens,
-                kv_blocks=len(res.kv.header.block_hashes) if res.kv is not None else 0,
-                kv_bytes=len(payload),
-                kv_chunks=len(pieces),
+                block_hashes=kv.header.block_hashes if kv is not None else [],
+                kv_bytes=kv.data.numel() * kv.data.element_size() if kv is not None else 0,
                 next_seq=out.peek_seq(),  # the decode worker's first message
                 prefill_s=prefill_s,
             )
@@ -292,17 +290,22 @@ class PrefillWorker(Worker):
                 context=ctx,
                 attributes={
                     "strait.decode_worker_id": decode_id,
-                    "strait.kv_blocks": offer.kv_blocks,
-                    "strait.kv_bytes": offer.kv_bytes,
-                    "strait.kv_chunks": offer.kv_chunks,
+                    "strait.offered_blocks": len(offer.block_hashes),
                 },
             ) as span:
                 t0 = time.perf_counter()
-                reason = await self._try(decode_id, offer, pieces)
-                span.set_attribute("strait.handoff_s", time.perf_counter() - t0)
+                reason, sent = await self._try(decode_id, offer, kv)
+                span.set_attributes(
+                    {
+                        "strait.handoff_s": time.perf_counter() - t0,
+                        "strait.kv_blocks": sent.kv_blocks,
+                        "strait.kv_bytes": sent.kv_bytes,
+                        "strait.kv_chunks": sent.kv_chunks,
+                    }
+                )
                 if not reason:
                     metrics.HANDOFFS.labels(side="prefill", outcome="ok").inc()
-                    metrics.HANDOFF_BYTES.labels(side="prefill").inc(len(payload))
+                    metrics.HANDOFF_BYTES.labels(side="prefill").inc(sent.kv_bytes)
                     metrics.HANDOFF_SECONDS.observe(time.perf_counter() - t0)
                     return decode_id
                 span.set_status(trace.StatusCode.ERROR, reason)
@@ -312,35 +315,43 @@ class PrefillWorker(Worker):
             "no_capacity", "no decode worker took the request (" + "; ".join(reasons) + ")"
         )
 
-    async def _try(self, decode_id: str, offer: HandoffOffer, pieces: list[bytes]) -> str:
-        """One handoff attempt; "" on success, else why it failed. Whatever fails after the
-        offer was accepted, the decode side is told to forget the transfer."""
+    async def _try(
+        self, decode_id: str, offer: HandoffOffer, kv: KvBlocks | None
+    ) -> tuple[str, HandoffCommit]:
+        """One handoff attempt: ("" or why it failed, what was sent). Only the blocks after
+        those the decode worker already holds are sent. Whatever fails after the offer was
+        accepted, the decode side is told to forget the transfer."""
         timeout = self.cfg.request_timeout_s
         rid = offer.assignment.request.request_id
+        commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid)
         reply = await self._request(self.subjects.handoff_offer(decode_id), offer, timeout)
         if reply is None:
-            return "no answer to the offer"
+            return "no answer to the offer", commit
         try:
             accepted = msgspec.json.decode(reply, type=HandoffReply)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return "malformed answer to the offer"
+            return "malformed answer to the offer", commit
         if not accepted.accepted:
-            return f"refused: {accepted.reason}"
+            return f"refused: {accepted.reason}", commit
+        rest = tail(kv, accepted.cached_blocks) if kv is not None else None
+        payload = encode_kv(rest) if rest is not None else b""
+        pieces = split(payload, self.chunk_bytes) if payload else []
+        commit.kv_blocks = len(rest.header.block_hashes) if rest is not None else 0
+        commit.kv_bytes, commit.kv_chunks = len(payload), len(pieces)
         try:
             await publish_chunks(self.nc, accepted.kv_subject, pieces, {})
-            commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid)
             raw = await self._request(self.subjects.handoff_commit(decode_id), commit, timeout)
             result = msgspec.json.decode(raw, type=HandoffResult) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             result = None
         if result is not None and result.ok:
-            return ""
+            return "", commit
         why = result.reason if result is not None else "no answer to the commit"
         # The decode side may have started the request and only the answer was lost: tell it
         # to drop the transfer (and the request, if it started it) before anyone else runs it.
         abort = HandoffAbort(transfer_id=offer.transfer_id, request_id=rid, reason=why)
         await self.nc.publish(self.subjects.handoff_abort(decode_id), encode(abort))
-        return why
+        return why, commit
 
     async def _request(self, subject: str, msg: msgspec.Struct, timeout: float) -> bytes | None:
         try:

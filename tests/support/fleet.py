@@ -111,7 +111,7 @@ class InProcessFleet:
         if role == "decode":
             from services.decode.handoff import HandoffReceiver
 
-            receiver = HandoffReceiver(w, backend.num_kv_blocks)  # type: ignore[attr-defined]
+            receiver = HandoffReceiver(w, backend)  # type: ignore[arg-type]
             subs += await receiver.subscribe()
             self._tasks.append(asyncio.create_task(receiver.sweep_loop(stopping)))
         h = WorkerHandle(w, backend, nc, subs, beats, stopping)

@@ -181,6 +181,25 @@ async def test_seeded_sampling_and_several_choices_cross_the_handoff_unchanged(
             assert dis.finished.worker_id.startswith("dis-d")
 
 
+async def test_blocks_the_decode_worker_holds_are_not_sent_again(disagg: Fleet) -> None:
+    ids = prompts(6)[5]  # 40 tokens: 10 full blocks of 4
+    longer = [*ids, 9, 8, 7, 6, 5, 4, 3, 2]  # 12 full blocks, the first 10 shared
+    sent = metrics.HANDOFF_BYTES.labels(side="prefill")
+    per_block = None
+    expected = {
+        tuple(p): reference_greedy(disagg.model, p, GREEDY.max_tokens) for p in (ids, longer)
+    }
+    for prompt, new_blocks in ((ids, 10), (ids, 0), (longer, 2)):
+        before = sent._value.get()
+        messages = await assign_and_read(disagg, assignment(disagg, prompt, ["dis-d0"]))
+        tokens = [t for m in messages if isinstance(m, TokenDelta) for t in m.token_ids]
+        assert tokens == expected[tuple(prompt)]
+        delta = sent._value.get() - before
+        per_block = per_block or delta / new_blocks
+        # kv_transfer's JSON header makes a payload a little more than its blocks' bytes
+        assert new_blocks * per_block * 0.9 <= delta <= new_blocks * per_block * 1.1 + 1
+
+
 async def test_a_request_that_ends_at_its_first_token_never_leaves_prefill(disagg: Fleet) -> None:
     async with StraitClient.from_settings(disagg.settings) as client:
         c = await client.complete(
@@ -249,9 +268,8 @@ async def test_an_uncommitted_reservation_expires_and_strands_nothing(disagg: Fl
         prefill_worker_id="gone",
         prompt_token_ids=prompts(2)[1],
         first_token_id=5,
-        kv_blocks=2,
+        block_hashes=[1, 2],
         kv_bytes=100,
-        kv_chunks=1,
     )
     reply = await nc.request(s.handoff_offer("dis-d1"), encode(offer), timeout=2)
     assert msgspec.json.decode(reply.data, type=HandoffReply).accepted

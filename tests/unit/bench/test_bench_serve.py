@@ -9,7 +9,7 @@ import httpx
 import pytest
 from bench_fake_openai import FIRST_TOKEN_DELAY_S, TOKEN_GAP_S, TOKENS
 
-from bench.serve import main
+from bench.serve import main, split_requests
 from bench.serve_client import Sampling, Target, send_request
 from bench.serve_run import Load, RunOptions, poisson_arrivals, run_load
 from bench.workloads import generate
@@ -76,6 +76,14 @@ def test_poisson_arrivals_are_seeded_with_the_right_mean_gap() -> None:
     assert arrivals[-1] / 2000 == pytest.approx(0.25, rel=0.1)
 
 
+def test_no_request_is_sent_twice_to_a_target() -> None:
+    # A server's exact-match response cache would answer a repeated greedy request.
+    requests = generate("chat", 2 * 5 + 3)
+    per_load, warm = split_requests(requests, 2, 3)
+    assert per_load == [requests[:5], requests[5:10]] and warm == requests[10:]
+    assert len({r.index for r in requests}) == 13
+
+
 def test_main_compares_targets_and_writes_results(
     fake_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -102,6 +110,9 @@ def test_main_compares_targets_and_writes_results(
     assert runs[("busy", "rate=40/s")]["errors"] == {"http_429": 6}
     assert results["meta"]["models"] == {"good": "fake-model", "busy": "overloaded"}
     assert "sk-secret" not in (tmp_path / "results.json").read_text()
-    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(lines) == 4 * 6
+    good_20 = [r["index"] for r in lines if r["target"] == "good" and r["load"] == "rate=20/s"]
+    good_40 = [r["index"] for r in lines if r["target"] == "good" and r["load"] == "rate=40/s"]
+    assert sorted(good_20) == list(range(6)) and sorted(good_40) == list(range(6, 12))
     assert {p.name for p in tmp_path.glob("*.png")} == {"latency_cdf.png", "sweep.png"}
