@@ -25,10 +25,17 @@ from libs.protocol import (
 class BackendError(Exception):
     """A request the backend refuses; ``code`` is an ``ErrorMessage`` code."""
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code: ErrorCode = code
         self.param = param
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)

@@ -121,6 +121,44 @@ class Worker:
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
 
+    async def fail(self, out: StreamWriter, e: BaseException) -> tuple[str, str]:
+        """End a request's stream after ``e``: (status, error code) for the log and metrics.
+        A cancel (client or shutdown) frees the request's blocks; only a shutdown tells the
+        client, since a cancelling client is gone."""
+        rid = out.request_id
+        if isinstance(e, asyncio.CancelledError):
+            self.backend.abort(rid)
+            if self.draining:
+                await out.send(
+                    ErrorMessage(
+                        seq=out.next_seq(),
+                        request_id=rid,
+                        code="worker_lost",
+                        message=f"{self.role} worker shut down before the request finished",
+                        retry_after_s=1.0,
+                    )
+                )
+            return "cancelled", "cancelled"
+        if isinstance(e, BackendError):
+            err = ErrorMessage(
+                seq=out.next_seq(),
+                request_id=rid,
+                code=e.code,
+                message=str(e),
+                param=e.param,
+                retry_after_s=e.retry_after_s,
+            )
+        else:
+            log.exception("request failed", extra=fields(request_id=rid), exc_info=e)
+            err = ErrorMessage(
+                seq=out.next_seq(),
+                request_id=rid,
+                code="internal_error",
+                message=f"{self.role} worker error: {e}",
+            )
+        await out.send(err)
+        return "error", err.code
+
     def count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens_computed += prompt_tokens - cached_tokens
         self.prompt_tokens_cached += cached_tokens
@@ -228,37 +266,8 @@ class Worker:
             )
             metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
             metrics.E2E.observe(total)
-        except BackendError as e:
-            status, error_code = "error", e.code
-            await out.send(
-                ErrorMessage(
-                    seq=out.next_seq(), request_id=rid, code=e.code, message=str(e), param=e.param
-                )
-            )
-        except asyncio.CancelledError:
-            status, error_code = "cancelled", "cancelled"
-            self.backend.abort(rid)
-            if self.draining:  # shutting down, not a client cancel: tell the client clearly
-                await out.send(
-                    ErrorMessage(
-                        seq=out.next_seq(),
-                        request_id=rid,
-                        code="worker_lost",
-                        message="worker shut down before the request finished",
-                        retry_after_s=1.0,
-                    )
-                )
-        except Exception as e:
-            status, error_code = "error", "internal_error"
-            log.exception("request failed", extra=fields(request_id=rid))
-            await out.send(
-                ErrorMessage(
-                    seq=out.next_seq(),
-                    request_id=rid,
-                    code="internal_error",
-                    message=f"worker error: {e}",
-                )
-            )
+        except (Exception, asyncio.CancelledError) as e:
+            status, error_code = await self.fail(out, e)
         finally:
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(status=status).inc()

@@ -39,7 +39,6 @@ from libs.log import fields
 from libs.nats_util import StreamWriter, publish_chunks
 from libs.protocol import (
     Assignment,
-    ErrorMessage,
     Finished,
     HandoffAbort,
     HandoffCommit,
@@ -67,14 +66,6 @@ class PrefixCache(Protocol):
     async def fetch(self, model_id: str, block_hashes: list[int]) -> KvBlocks | None: ...
 
     async def store(self, kv: KvBlocks) -> None: ...
-
-
-class HandoffFailed(Exception):
-    """No decode worker took the request; ``code`` is the client's ErrorMessage code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class PrefillWorker(Worker):
@@ -150,50 +141,14 @@ class PrefillWorker(Worker):
                 await self._finish_here(out, a, res, usage, prefill_s, started)
                 return
             if not a.decode_workers:
-                raise HandoffFailed("no_worker", "no live decode worker in the pool")
-            decode_worker = await self._hand_off(a, out, prompt, res, usage, prefill_s, span)
-        except BackendError as e:
-            status, error_code = "error", e.code
-            await out.send(
-                ErrorMessage(
-                    seq=out.next_seq(), request_id=rid, code=e.code, message=str(e), param=e.param
-                )
-            )
-        except HandoffFailed as e:
-            status, error_code = "error", e.code
-            await out.send(
-                ErrorMessage(
-                    seq=out.next_seq(),
-                    request_id=rid,
-                    code=e.code,  # type: ignore[arg-type]
-                    message=str(e),
+                raise BackendError(
+                    "no_worker",
+                    "no live decode worker in the pool",
                     retry_after_s=self.settings.router.retry_after_s,
                 )
-            )
-        except asyncio.CancelledError:
-            status, error_code = "cancelled", "cancelled"
-            self.backend.abort(rid)
-            if self.draining:
-                await out.send(
-                    ErrorMessage(
-                        seq=out.next_seq(),
-                        request_id=rid,
-                        code="worker_lost",
-                        message="prefill worker shut down before the handoff",
-                        retry_after_s=1.0,
-                    )
-                )
-        except Exception as e:
-            status, error_code = "error", "internal_error"
-            log.exception("prefill failed", extra=fields(request_id=rid))
-            await out.send(
-                ErrorMessage(
-                    seq=out.next_seq(),
-                    request_id=rid,
-                    code="internal_error",
-                    message=f"prefill worker error: {e}",
-                )
-            )
+            decode_worker = await self._hand_off(a, out, prompt, res, usage, prefill_s, span)
+        except (Exception, asyncio.CancelledError) as e:
+            status, error_code = await self.fail(out, e)
         finally:
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(status=status).inc()
@@ -266,7 +221,7 @@ class PrefillWorker(Worker):
         parent_span: trace.Span,
     ) -> str:
         """Offer the request to the decode workers in order; returns the one that committed.
-        Raises HandoffFailed when none did (the caller tells the client)."""
+        Raises BackendError when none did (the caller tells the client)."""
         kv = res.kv
         c = res.chunk
         reasons: list[str] = []
@@ -311,8 +266,10 @@ class PrefillWorker(Worker):
                 span.set_status(trace.StatusCode.ERROR, reason)
                 metrics.HANDOFFS.labels(side="prefill", outcome="failed").inc()
                 reasons.append(f"{decode_id}: {reason}")
-        raise HandoffFailed(
-            "no_capacity", "no decode worker took the request (" + "; ".join(reasons) + ")"
+        raise BackendError(
+            "no_capacity",
+            "no decode worker took the request (" + "; ".join(reasons) + ")",
+            retry_after_s=self.settings.router.retry_after_s,
         )
 
     async def _try(
