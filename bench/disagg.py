@@ -225,8 +225,8 @@ async def transport_mb_s(settings: Settings, total_mb: int) -> float:
     return n * size / 2**20 / elapsed
 
 
-def handoff_mb_s() -> tuple[float, float, float]:
-    """(MB/s, MB per handoff, mean seconds) from the prefill worker's handoff metrics."""
+def handoff_totals() -> tuple[float, float, float]:
+    """(MB, seconds, handoffs) so far, from the prefill worker's handoff metrics."""
     text = httpx.get(f"http://127.0.0.1:{PREFILL_METRICS_PORT}/metrics", timeout=5).text
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -237,10 +237,11 @@ def handoff_mb_s() -> tuple[float, float, float]:
         ):
             if line.startswith(name + " "):
                 values[name] = float(line.split()[-1])
-    mb = values.get('strait_handoff_bytes_total{side="prefill"}', 0.0) / 2**20
-    secs = values.get("strait_handoff_seconds_sum", 0.0)
-    count = values.get("strait_handoff_seconds_count", 0.0) or 1.0
-    return (mb / secs if secs else 0.0), mb / count, secs / count
+    return (
+        values.get('strait_handoff_bytes_total{side="prefill"}', 0.0) / 2**20,
+        values.get("strait_handoff_seconds_sum", 0.0),
+        values.get("strait_handoff_seconds_count", 0.0),
+    )
 
 
 async def wait_pools(client: StraitClient, timeout_s: float) -> None:
@@ -267,9 +268,17 @@ async def measure(args: argparse.Namespace, settings: Settings) -> dict[str, Any
         for pool in ("agg", "dis"):
             r: dict[str, Any] = report.setdefault(pool, {})
             print(f"[{pool}] TTFT of {args.prompt_tokens}-token prompts (misses)...", flush=True)
+            before = handoff_totals()
             r["ttft_miss_s"] = [
                 await ttft(client, pool, prompts.make(args.prompt_tokens)) for _ in range(args.reps)
             ]
+            if pool == "dis":  # handoffs of whole prompts (the decode worker holds none)
+                mb, secs, n = (a - b for a, b in zip(handoff_totals(), before, strict=True))
+                report["handoff"] = {
+                    "mb_s": mb / secs if secs else 0.0,
+                    "mb_per_handoff": mb / max(n, 1),
+                    "s_per_handoff": secs / max(n, 1),
+                }
             print(f"[{pool}] TTFT of a cached {args.prompt_tokens}-token prefix...", flush=True)
             hits = []
             for _ in range(args.reps):
@@ -280,8 +289,6 @@ async def measure(args: argparse.Namespace, settings: Settings) -> dict[str, Any
             print(f"[{pool}] inter-token latency of {args.streams} streams...", flush=True)
             r["alone"] = await itl_under_load(client, pool, prompts, args, long=False)
             r["with_long_prompts"] = await itl_under_load(client, pool, prompts, args, long=True)
-        mb_s, mb_each, s_each = handoff_mb_s()
-        report["handoff"] = {"mb_s": mb_s, "mb_per_handoff": mb_each, "s_per_handoff": s_each}
     return report
 
 
