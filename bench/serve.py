@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=int,
         default=0,
-        help="unrecorded requests (the workload's first N) sent one by one before a target's runs",
+        help="unrecorded requests sent one by one before a target's runs (taken after the "
+        "measured ones: none of them repeats a measured request)",
     )
     load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     gen = p.add_argument_group("requests")
@@ -176,6 +177,11 @@ async def _run_all(
     options: RunOptions,
     warmup: int,
 ) -> list[RunResult]:
+    """Every target gets the warm-up, then each load in turn. ``requests`` holds
+    ``len(loads) * N + warmup`` requests (see :func:`split_requests`): load ``k`` sends its own
+    slice, so no request is sent twice to a target and a server's exact-match response cache
+    (Strait's gateway has one for greedy requests) cannot answer a measured request."""
+    per_load, warm = split_requests(requests, len(loads), warmup)
     runs: list[RunResult] = []
     # One connection per request in flight: a pool smaller than the load would queue requests
     # inside the client and show up as server TTFT.
@@ -191,10 +197,20 @@ async def _run_all(
                     file=sys.stderr,
                 )
                 model = "default"
-            await _warm_up(client, target, model, requests, options, warmup)
-            for load in loads:
-                runs.append(await run_load(client, target, model, requests, load, options))
+            await _warm_up(client, target, model, warm, options, warmup)
+            for load, load_requests in zip(loads, per_load, strict=True):
+                runs.append(await run_load(client, target, model, load_requests, load, options))
     return runs
+
+
+def split_requests(
+    requests: list[BenchRequest], num_loads: int, warmup: int
+) -> tuple[list[list[BenchRequest]], list[BenchRequest]]:
+    """Split ``num_loads * N + warmup`` requests into one slice of ``N`` per load (load 0 gets
+    the workload's first ``N``) and the warm-up requests after them."""
+    n = (len(requests) - warmup) // num_loads
+    per_load = [requests[k * n : (k + 1) * n] for k in range(num_loads)]
+    return per_load, requests[num_loads * n : num_loads * n + warmup]
 
 
 def _write_plots(out_dir: Path, runs: list[RunResult], summaries: list[dict[str, Any]]) -> None:
@@ -251,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     requests = generate(
         args.workload,
-        args.num_requests,
+        len(loads) * args.num_requests + args.warmup,
         args.seed,
         max_tokens=args.max_tokens,
         prefix_words=args.prefix_words,
