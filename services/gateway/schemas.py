@@ -38,6 +38,9 @@ class _Common(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     # Strait extension: scheduling class.
     priority: Literal["interactive", "batch"] = "interactive"
+    # Extensions vLLM users pass: generate past EOS (benchmarks), and extra stop token ids.
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
 
     @field_validator("stop")
     @classmethod
@@ -67,6 +70,8 @@ class _Common(BaseModel):
             seed=self.seed,
             n=self.n,
             stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
 

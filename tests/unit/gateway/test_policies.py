@@ -93,3 +93,11 @@ def test_secrets_verify_by_hash_only() -> None:
     assert not check_secret(secret, "garbage")
     for bad in ("", "sk-strait-", "sk-strait-abc", "sk-other-abc-def", "sk-strait-a.b-c"):
         assert key_id_of(bad) is None
+
+
+def test_vllm_extensions_reach_the_sampling_params_and_the_cache_key() -> None:
+    b = body(temperature=0, ignore_eos=True, stop_token_ids=[7, 9])
+    s = b.sampling(default_max_tokens=16, logprobs=None)
+    assert s.ignore_eos and s.stop_token_ids == [7, 9]
+    assert not body().sampling(16, None).ignore_eos
+    assert cache_key("k", "chat", b) != cache_key("k", "chat", body(temperature=0))
