@@ -259,7 +259,8 @@ async def wait_pools(client: StraitClient, timeout_s: float) -> None:
 
 async def measure(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     prompts = Prompts(args.seed)
-    report: dict[str, Any] = {"args": vars(args), "model": MODEL, "cpus": os.cpu_count()}
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report: dict[str, Any] = {"args": given, "model": MODEL, "cpus": os.cpu_count()}
     async with StraitClient.from_settings(settings, first_token_timeout_s=300) as client:
         print("waiting for the fleet (model loads)...", flush=True)
         await wait_pools(client, 300)
