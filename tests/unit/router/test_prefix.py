@@ -88,3 +88,37 @@ def test_tokenizer_hasher_matches_transformers_chat_template() -> None:
     )["input_ids"]
     assert h.token_ids(req(messages=msgs)) == want
     assert h.token_ids(req(prompt="Once upon a time")) == tok("Once upon a time")["input_ids"]
+
+
+def _raw_prompts(n: int) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "river", "\n", "  ", "\n\n", "x", "é", "12", ":", "\t", "def", "STOP", "水"]
+    return [
+        "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randrange(1, 40)))
+        for _ in range(n)
+    ]
+
+
+def _tiny_tokenizer_dir(tmp_path: Path) -> Path:
+    from tests.unit.engine.helpers import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_raw_prompts_line_by_line_equal_the_whole_prompt(which: str, tmp_path: Path) -> None:
+    """Raw prompts are tokenized (and cached) line by line when that is exact; a shared
+    document then costs one cache lookup per line."""
+    if which == "smollm2" and not SMOLLM_DIR.exists():
+        pytest.skip("smollm2 not prepared")
+    h = TokenizerPrefixHasher(SMOLLM_DIR if which == "smollm2" else _tiny_tokenizer_dir(tmp_path))
+    assert h.per_line
+    for text in _raw_prompts(500):
+        assert h.token_ids(req(prompt=text)) == h._encode_prompt(text), repr(text)
+    doc = "A shared document line.\nAnother line of it.\n"
+    h.token_ids(req(prompt=doc + "First question?"))
+    assert "A shared document line.\n" in h._cache.data
+    assert "Another line of it.\n" in h._cache.data
