@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -90,9 +92,6 @@ class HfModel:
 
 
 def create_app(hf: HfModel) -> Any:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     app = FastAPI(title="transformers generate baseline")
 
     @app.get("/v1/models")
