@@ -77,38 +77,51 @@ def tail(kv: KvBlocks, skip: int) -> KvBlocks | None:
     )
 
 
-def encode(kv: KvBlocks) -> bytes:
+def encode(kv: KvBlocks) -> bytearray:
+    """The wire bytes of ``kv``; the tensor is copied once, straight into the payload."""
     header = msgspec.json.encode(kv.header)
-    raw = kv.data.contiguous().view(torch.uint8).numpy().tobytes()
-    return _LEN.pack(len(header)) + header + raw
+    data = kv.data.contiguous().reshape(-1)
+    start = _LEN.size + len(header)
+    out = bytearray(start + data.numel() * data.element_size())
+    _LEN.pack_into(out, 0, len(header))
+    out[_LEN.size : start] = header
+    if data.numel():
+        torch.frombuffer(out, dtype=torch.uint8, offset=start).copy_(data.view(torch.uint8))
+    return out
 
 
-def decode(payload: bytes) -> KvBlocks:
-    """Parse :func:`encode`'s output; raises ValueError on a malformed payload."""
+def decode(payload: bytes | bytearray) -> KvBlocks:
+    """Parse :func:`encode`'s output; raises ValueError on a malformed payload. A bytearray is
+    used in place (the tensor shares its memory); bytes are copied once (read-only)."""
     if len(payload) < _LEN.size:
         raise ValueError("KV payload too short")
     (n,) = _LEN.unpack_from(payload)
+    view = memoryview(payload)
     try:
-        header = msgspec.json.decode(payload[_LEN.size : _LEN.size + n], type=KvHeader)
-    except msgspec.DecodeError as e:
+        header = msgspec.json.decode(view[_LEN.size : _LEN.size + n], type=KvHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ValueError(f"bad KV header: {e}") from None
     if header.v != KV_FORMAT_VERSION:
         raise ValueError(f"KV format version {header.v} is not supported")
     dtype = _DTYPES.get(header.dtype)
     if dtype is None:
         raise ValueError(f"unknown KV dtype {header.dtype!r}")
-    raw = payload[_LEN.size + n :]
+    raw = view[_LEN.size + n :]
     expected = dtype.itemsize
     for d in header.shape:
         expected *= d
     if len(raw) != expected:
         raise ValueError(f"KV payload has {len(raw)} data bytes, header says {expected}")
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(header.shape)
+    if not expected:
+        return KvBlocks(header, torch.empty(header.shape, dtype=dtype))
+    buffer = raw if isinstance(payload, bytearray) else bytearray(raw)
+    data = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(header.shape)
     return KvBlocks(header, data)
 
 
-def split(payload: bytes, max_bytes: int) -> list[bytes]:
+def split(payload: bytes | bytearray, max_bytes: int) -> list[bytes]:
     """Cut an encoded payload into pieces of at most ``max_bytes`` (e.g. NATS max_payload)."""
     if max_bytes < 1:
         raise ValueError("max_bytes must be positive")
-    return [payload[i : i + max_bytes] for i in range(0, len(payload), max_bytes)] or [b""]
+    view = memoryview(payload)
+    return [bytes(view[i : i + max_bytes]) for i in range(0, len(payload), max_bytes)] or [b""]

@@ -189,7 +189,8 @@ class HandoffReceiver:
             return HandoffResult(ok=False, reason=f"missing_chunks: {missing} of {c.kv_chunks}")
         if c.kv_chunks:
             try:
-                kv = decode_kv(b"".join(t.chunks[i] for i in range(c.kv_chunks)))
+                # One copy: the chunks into a bytearray the imported tensor reads in place.
+                kv = decode_kv(bytearray().join(t.chunks[i] for i in range(c.kv_chunks)))
                 await self.engine.import_prefix(kv)
             except (ValueError, BackendError) as e:
                 return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
