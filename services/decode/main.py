@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+
 from libs.backend import Backend
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
@@ -45,34 +48,51 @@ async def serve(ctx: ServiceContext) -> None:
     await backend.start()
     nc = await connect(settings.nats, f"worker-{settings.worker.pool}")
     worker = Worker(nc, settings, backend)
-    sweeper: asyncio.Task[None] | None = None
-    ctx.ready = lambda: nc.is_connected and not worker.draining
-    subs = [
-        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
-        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
-    ]
-    beats = asyncio.create_task(worker.beat_loop(ctx.stopping))
+    subs: list[Subscription] = []
+    tasks: list[asyncio.Task[None]] = []
     if worker.role == "decode":  # disaggregated: requests arrive as KV handoffs
         if not isinstance(backend, AsyncEngineBackend):
             raise SystemExit("worker.role = 'decode' needs backend = 'engine' (KV handoff)")
         receiver = HandoffReceiver(worker, backend)
         subs += await receiver.subscribe()
-        sweeper = asyncio.create_task(receiver.sweep_loop(ctx.stopping))
+        tasks.append(asyncio.create_task(receiver.sweep_loop(ctx.stopping)))
+    await run_worker(ctx, nc, worker, subs, tasks)
+
+
+async def run_worker(
+    ctx: ServiceContext,
+    nc: NATS,
+    worker: Worker,
+    subs: list[Subscription],
+    tasks: list[asyncio.Task[None]],
+) -> None:
+    """Serve ``work.<id>`` and ``cancel.*`` (plus the role's own ``subs`` and ``tasks``) and
+    beat until SIGTERM; then drain running requests and close. The decode and prefill mains."""
+    ctx.ready = lambda: nc.is_connected and not worker.draining
+    subs += [
+        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
+        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
+    ]
+    tasks.append(asyncio.create_task(worker.beat_loop(ctx.stopping)))
     log.info(
         "worker ready",
-        extra=fields(worker_id=worker.worker_id, pool=worker.pool, model=backend.model_name),
+        extra=fields(
+            worker_id=worker.worker_id,
+            role=worker.role,
+            pool=worker.pool,
+            model=worker.backend.model_name,
+        ),
     )
     try:
         await ctx.stopping.wait()
         await worker.drain(DRAIN_TIMEOUT_S)
     finally:
-        beats.cancel()
-        if sweeper is not None:
-            sweeper.cancel()
+        for t in tasks:
+            t.cancel()
         for s in subs:
             await s.unsubscribe()
         await nc.drain()
-        await backend.stop()
+        await worker.backend.stop()
 
 
 def main(settings: Settings | None = None) -> int:

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from libs.backend import Backend, BackendError, Resume
+from libs.backend import Backend, BackendError, GenerationChunk, Resume
 from libs.log import fields
 from libs.nats_util import StreamWriter, publish_msg
 from libs.protocol import (
@@ -120,6 +120,37 @@ class Worker:
             await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+
+    async def send_chunk(self, out: StreamWriter, chunk: GenerationChunk) -> None:
+        await out.send(
+            TokenDelta(
+                seq=out.next_seq(),
+                request_id=out.request_id,
+                index=chunk.index,
+                text=chunk.text,
+                token_ids=chunk.token_ids,
+                logprobs=chunk.logprobs,
+                finish_reason=chunk.finish_reason,
+            )
+        )
+
+    async def send_finished(
+        self, out: StreamWriter, a: Assignment, usage: Usage, ttft: float | None, total: float
+    ) -> None:
+        """The stream's last message; ``total``: seconds from assignment to the last token."""
+        await out.send(
+            Finished(
+                seq=out.next_seq(),
+                request_id=out.request_id,
+                usage=usage,
+                model=self.backend.model_name,
+                pool=self.pool,
+                worker_id=self.worker_id,
+                timings=Timings(queued_s=a.queued_s, ttft_s=ttft, total_s=total),
+            )
+        )
+        metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
+        metrics.E2E.observe(total)
 
     async def fail(self, out: StreamWriter, e: BaseException) -> tuple[str, str]:
         """End a request's stream after ``e``: (status, error code) for the log and metrics.
@@ -241,31 +272,9 @@ class Worker:
                 usage.cached_tokens = (
                     handoff.num_cached_tokens if handoff else chunk.num_cached_tokens
                 )
-                await out.send(
-                    TokenDelta(
-                        seq=out.next_seq(),
-                        request_id=rid,
-                        index=chunk.index,
-                        text=chunk.text,
-                        token_ids=chunk.token_ids,
-                        logprobs=chunk.logprobs,
-                        finish_reason=chunk.finish_reason,
-                    )
-                )
-            total = time.perf_counter() - started
-            await out.send(
-                Finished(
-                    seq=out.next_seq(),
-                    request_id=rid,
-                    usage=usage,
-                    model=self.backend.model_name,
-                    pool=self.pool,
-                    worker_id=self.worker_id,
-                    timings=Timings(queued_s=a.queued_s, ttft_s=ttft, total_s=ttft_offset + total),
-                )
-            )
-            metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
-            metrics.E2E.observe(total)
+                await self.send_chunk(out, chunk)
+            total = ttft_offset + time.perf_counter() - started
+            await self.send_finished(out, a, usage, ttft, total)
         except (Exception, asyncio.CancelledError) as e:
             status, error_code = await self.fail(out, e)
         finally:

@@ -8,20 +8,12 @@ are fetched from and stored to the prefix-cache service.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from libs.engine.async_engine import AsyncEngineBackend
-from libs.log import fields
 from libs.nats_util import connect
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from services.decode.main import run_worker
 from services.prefill.worker import PrefillWorker, PrefixCache
-
-log = logging.getLogger("strait.prefill")
-
-# Seconds running prefills (and their handoffs) get to finish after SIGTERM.
-DRAIN_TIMEOUT_S = 30.0
 
 
 def cache_client(nc: object, settings: Settings) -> PrefixCache | None:
@@ -44,25 +36,7 @@ async def serve(ctx: ServiceContext) -> None:
     await backend.start()
     nc = await connect(settings.nats, f"prefill-{pool.name}")
     worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))
-    ctx.ready = lambda: nc.is_connected and not worker.draining
-    subs = [
-        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
-        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
-    ]
-    beats = asyncio.create_task(worker.beat_loop(ctx.stopping))
-    log.info(
-        "prefill worker ready",
-        extra=fields(worker_id=worker.worker_id, pool=worker.pool, model=backend.model_name),
-    )
-    try:
-        await ctx.stopping.wait()
-        await worker.drain(DRAIN_TIMEOUT_S)
-    finally:
-        beats.cancel()
-        for s in subs:
-            await s.unsubscribe()
-        await nc.drain()
-        await backend.stop()
+    await run_worker(ctx, nc, worker, [], [])
 
 
 def main(settings: Settings | None = None) -> int:

@@ -39,15 +39,12 @@ from libs.log import fields
 from libs.nats_util import StreamWriter, publish_chunks
 from libs.protocol import (
     Assignment,
-    Finished,
     HandoffAbort,
     HandoffCommit,
     HandoffOffer,
     HandoffReply,
     HandoffResult,
     Routed,
-    Timings,
-    TokenDelta,
     Usage,
     encode,
 )
@@ -181,32 +178,8 @@ class PrefillWorker(Worker):
         prefill_s: float,
         started: float,
     ) -> None:
-        rid = a.request.request_id
-        c = res.chunk
-        await out.send(
-            TokenDelta(
-                seq=out.next_seq(),
-                request_id=rid,
-                text=c.text,
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-            )
-        )
-        total = time.perf_counter() - started
-        await out.send(
-            Finished(
-                seq=out.next_seq(),
-                request_id=rid,
-                usage=usage,
-                model=self.backend.model_name,
-                pool=self.pool,
-                worker_id=self.worker_id,
-                timings=Timings(queued_s=a.queued_s, ttft_s=prefill_s, total_s=total),
-            )
-        )
-        metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
-        metrics.E2E.observe(total)
+        await self.send_chunk(out, res.chunk)
+        await self.send_finished(out, a, usage, prefill_s, time.perf_counter() - started)
 
     # ------------------------------------------------------------ the handoff
 

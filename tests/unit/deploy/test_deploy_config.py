@@ -39,7 +39,6 @@ from libs.settings import CacheSettings, NatsSettings, Settings
 from services.cache.main import DRAIN_TIMEOUT_S as CACHE_DRAIN_TIMEOUT_S
 from services.cli import SERVICES, _parser
 from services.decode.main import DRAIN_TIMEOUT_S
-from services.prefill.main import DRAIN_TIMEOUT_S as PREFILL_DRAIN_TIMEOUT_S
 from services.router.main import ROUTER_DURABLE
 
 pytestmark = pytest.mark.unit
@@ -136,7 +135,7 @@ def listen_port(role: str, s: Settings) -> int | None:
 # Seconds each long-running role drains for on SIGTERM (its pods' grace period must exceed it).
 DRAIN_S = {
     "decode": DRAIN_TIMEOUT_S,
-    "prefill": PREFILL_DRAIN_TIMEOUT_S,
+    "prefill": DRAIN_TIMEOUT_S,  # the prefill main drains through run_worker
     "cache": CACHE_DRAIN_TIMEOUT_S,
 }
 
