@@ -195,6 +195,8 @@ class HandoffReceiver:
             except (ValueError, BackendError) as e:
                 return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
             metrics.HANDOFF_BYTES.labels(side="decode").inc(c.kv_bytes)
+        if rid in self.worker.recently_cancelled:
+            return HandoffResult(ok=False, reason="cancelled")
         if self.worker.draining or rid in self.worker.tasks:
             return HandoffResult(
                 ok=False, reason="draining" if self.worker.draining else "duplicate"

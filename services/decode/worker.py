@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -48,6 +49,9 @@ from services.decode import metrics
 
 log = logging.getLogger("strait.worker")
 
+# Request ids of recent cancels a worker remembers (a cancel can overtake a handoff's commit).
+RECENT_CANCELS = 4096
+
 
 def default_worker_id(pool: str) -> str:
     return f"{pool}-{socket.gethostname().split('.')[0]}-{os.getpid()}"
@@ -65,6 +69,8 @@ class Worker:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.draining = False
         self._tracer = tracer("strait.worker")
+        # Cancels seen (bounded): a handoff committed after its request's cancel is refused.
+        self.recently_cancelled: OrderedDict[str, None] = OrderedDict()
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
@@ -101,6 +107,9 @@ class Worker:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
         rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
+        self.recently_cancelled[rid] = None
+        while len(self.recently_cancelled) > RECENT_CANCELS:
+            self.recently_cancelled.popitem(last=False)
         task = self.tasks.get(rid)
         if task is not None:
             self.backend.abort(rid)

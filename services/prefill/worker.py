@@ -274,6 +274,10 @@ class PrefillWorker(Worker):
             result = msgspec.json.decode(raw, type=HandoffResult) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             result = None
+        except asyncio.CancelledError:  # the client cancelled mid-handoff: release the decode side
+            abort = HandoffAbort(transfer_id=offer.transfer_id, request_id=rid, reason="cancelled")
+            await self.nc.publish(self.subjects.handoff_abort(decode_id), encode(abort))
+            raise
         if result is not None and result.ok:
             return "", commit
         why = result.reason if result is not None else "no answer to the commit"

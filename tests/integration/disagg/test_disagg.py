@@ -21,6 +21,7 @@ from libs.kv_cache_client import CacheClient
 from libs.nats_util import provision
 from libs.protocol import (
     Assignment,
+    CancelRequest,
     ErrorMessage,
     Finished,
     GenerateRequest,
@@ -240,7 +241,11 @@ async def test_decode_worker_that_never_commits_is_aborted_and_the_next_one_serv
     async def abort(msg: nats.aio.msg.Msg) -> None:
         aborts.append(msgspec.json.decode(msg.data, type=HandoffAbort))
 
+    async def ignore(msg: nats.aio.msg.Msg) -> None:  # a commit nobody answers
+        return None
+
     await nc.subscribe(s.handoff_offer("ghost"), cb=accept)
+    await nc.subscribe(s.handoff_commit("ghost"), cb=ignore)
     await nc.subscribe(s.handoff_abort("ghost"), cb=abort)
     ids = prompts(4)[3]
     messages = await assign_and_read(disagg, assignment(disagg, ids, ["ghost", "dis-d0"]))
@@ -249,11 +254,68 @@ async def test_decode_worker_that_never_commits_is_aborted_and_the_next_one_serv
     assert isinstance(messages[-1], Finished) and messages[-1].worker_id == "dis-d0"
     assert [m.seq for m in messages] == list(range(1, len(messages) + 1))
     assert len(aborts) == 1 and aborts[0].request_id == messages[-1].request_id
+    assert aborts[0].reason == "no answer to the commit"
 
     # Every decode worker silent: the client gets a typed error, never silence.
     messages = await assign_and_read(disagg, assignment(disagg, ids, ["ghost"]))
     assert len(messages) == 1 and isinstance(messages[0], ErrorMessage)
     assert messages[0].code == "no_capacity" and "ghost" in messages[0].message
+    await nc.drain()
+
+
+async def test_a_cancel_during_the_handoff_releases_the_decode_side(disagg: Fleet) -> None:
+    """The client cancels while the prefill worker waits on a commit: the decode side is told
+    (HandoffAbort "cancelled"), and a decode worker that saw the cancel refuses the commit."""
+    s = Subjects(disagg.settings.nats.subject_prefix)
+    nc = await nats.connect(disagg.settings.nats.url)
+    aborts: list[HandoffAbort] = []
+    offered = asyncio.Event()
+
+    async def accept(msg: nats.aio.msg.Msg) -> None:  # accepts, then never answers the commit
+        offered.set()
+        await msg.respond(
+            encode(HandoffReply(accepted=True, kv_subject=s.handoff_kv("ghost", "x")))
+        )
+
+    async def abort(msg: nats.aio.msg.Msg) -> None:
+        aborts.append(msgspec.json.decode(msg.data, type=HandoffAbort))
+
+    async def ignore(msg: nats.aio.msg.Msg) -> None:  # a commit nobody answers
+        return None
+
+    await nc.subscribe(s.handoff_offer("ghost"), cb=accept)
+    await nc.subscribe(s.handoff_commit("ghost"), cb=ignore)
+    await nc.subscribe(s.handoff_abort("ghost"), cb=abort)
+    a = assignment(disagg, prompts(3)[2], ["ghost"])
+    rid = a.request.request_id
+    await nc.request(s.work("dis-p0"), encode(a), timeout=5)
+    await asyncio.wait_for(offered.wait(), 10)
+    await asyncio.sleep(0.2)  # the prefill worker is now waiting on its commit
+    await nc.publish(s.cancel(rid), encode(CancelRequest(request_id=rid)))
+    for _ in range(50):
+        if aborts:
+            break
+        await asyncio.sleep(0.02)
+    assert [(x.request_id, x.reason) for x in aborts] == [(rid, "cancelled")]
+    await assert_idle(disagg)
+
+    # A real decode worker that has seen the cancel refuses a late commit for that request.
+    d0 = disagg.decoders[0]
+    assert rid in d0.worker.recently_cancelled
+    late = HandoffOffer(
+        transfer_id="late",
+        assignment=a,
+        prefill_worker_id="dis-p0",
+        prompt_token_ids=prompts(3)[2],
+        first_token_id=5,
+    )
+    reply = await nc.request(s.handoff_offer("dis-d0"), encode(late), timeout=2)
+    assert msgspec.json.decode(reply.data, type=HandoffReply).accepted
+    commit = HandoffCommit(transfer_id="late", request_id=rid)
+    reply = await nc.request(s.handoff_commit("dis-d0"), encode(commit), timeout=2)
+    result = msgspec.json.decode(reply.data, type=HandoffResult)
+    assert not result.ok and result.reason == "cancelled"
+    assert rid not in d0.worker.tasks
     await nc.drain()
 
 
