@@ -305,6 +305,10 @@ class CompletionRun:
             self.outcome.route_factors = first.route.factors
             self.span.set_attribute("strait.pool", first.route.pool)
             self.span.set_attribute("strait.worker_id", first.route.worker_id)
+            # Chunks name the model that answers (as vLLM does), not "auto" or a pool name.
+            served = self.fleet.registry.pool_model.get(first.route.pool)
+            if served:
+                self.shaper.model = served
             first = await self.next_message()
         if isinstance(first, ErrorMessage):
             await self.fail(first.code, first.message)
@@ -337,7 +341,7 @@ class CompletionRun:
         f = self.outcome.finished
         if f is None or self.outcome.status != "ok":
             return None
-        return self.acc.body(self.kind, self.req.request_id, self.created, self.req.model, f)
+        return self.acc.body(self.kind, self.req.request_id, self.created, self.shaper.model, f)
 
     async def close(self) -> None:
         """Idempotent end of the request: cancel if unfinished, usage event, span, log, hook."""

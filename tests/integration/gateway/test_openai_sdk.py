@@ -37,6 +37,7 @@ async def test_sdk_chat_and_completions(sdk_settings: Settings) -> None:
         async with client(base, key) as c:
             chat = await c.chat.completions.create(model="auto", messages=MESSAGES, max_tokens=5)
             assert chat.object == "chat.completion"
+            assert chat.model == "fake-model"  # the model that answered, not "auto"
             assert chat.choices[0].message.role == "assistant"
             assert len(chat.choices[0].message.content.split()) == 5  # type: ignore[union-attr]
             assert chat.choices[0].finish_reason == "length"
@@ -56,6 +57,7 @@ async def test_sdk_chat_and_completions(sdk_settings: Settings) -> None:
             assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
             assert chunks[-1].choices == [] and chunks[-1].usage is not None
             assert chunks[-1].usage.completion_tokens == 4
+            assert {ch.model for ch in chunks} == {"fake-model"}
 
             text_resp = await c.completions.create(
                 model="fake-model", prompt="once upon", max_tokens=3
