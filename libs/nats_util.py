@@ -110,6 +110,7 @@ def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
             storage=StorageType.FILE,
             max_age=settings.request_max_age_s,
             max_msg_size=settings.max_payload,
+            num_replicas=settings.stream_replicas,
         ),
         StreamConfig(
             name=settings.events_stream,
@@ -117,6 +118,7 @@ def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=settings.events_max_age_s,
+            num_replicas=settings.stream_replicas,
         ),
         cache_events_stream_config(settings),
     ]
@@ -131,6 +133,7 @@ def cache_events_stream_config(settings: NatsSettings) -> StreamConfig:
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=settings.cache_events_max_age_s,
+        num_replicas=settings.stream_replicas,
     )
 
 

@@ -43,6 +43,9 @@ class NatsSettings(BaseModel):
     # Cache events older than this leave the stream; a replay then misses blocks stored
     # earlier that are still held (the index under-reports, it never over-reports for long).
     cache_events_max_age_s: float = 24 * 3600.0
+    # Copies of each JetStream stream in a NATS cluster (1 on one server; 3 on the 3-node
+    # cluster of deploy/k8s, so a lost node loses no queued request or usage event).
+    stream_replicas: int = 1
 
 
 class GatewaySettings(BaseModel):
