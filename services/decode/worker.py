@@ -69,6 +69,7 @@ class Worker:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.draining = False
         self._tracer = tracer("strait.worker")
+        self.log = log
         # Cancels seen (bounded): a handoff committed after its request's cancel is refused.
         self.recently_cancelled: OrderedDict[str, None] = OrderedDict()
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
@@ -288,30 +289,49 @@ class Worker:
             status, error_code = await self.fail(out, e)
         finally:
             metrics.RUNNING.dec()
-            metrics.REQUESTS.labels(status=status).inc()
             phase.set_attribute("strait.completion_tokens", usage.completion_tokens)
             phase.end()
             span.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
             span.set_attribute("strait.completion_tokens", usage.completion_tokens)
             span.set_attribute("strait.cached_tokens", usage.cached_tokens)
-            if status != "ok":
-                span.set_status(trace.StatusCode.ERROR, error_code)
-            span.end()
-            self.tasks.pop(rid, None)
-            log.info(
-                "request",
-                extra=fields(
-                    request_id=rid,
-                    status=status,
-                    error=error_code or None,
-                    pool=self.pool,
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    cached_tokens=usage.cached_tokens,
-                    ttft_s=round(ttft, 4) if ttft else None,
-                    total_s=round(time.perf_counter() - started, 4),
-                ),
+            self.finish(
+                rid,
+                span,
+                status,
+                error_code,
+                started,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                ttft_s=round(ttft, 4) if ttft else None,
             )
+
+    def finish(
+        self,
+        rid: str,
+        span: trace.Span,
+        status: str,
+        error_code: str,
+        started: float,
+        **details: object,
+    ) -> None:
+        """A request's end, whatever it was: metrics, span status, the one INFO log line."""
+        metrics.REQUESTS.labels(status=status).inc()
+        if status != "ok":
+            span.set_status(trace.StatusCode.ERROR, error_code)
+        span.end()
+        self.tasks.pop(rid, None)
+        self.log.info(
+            "request",
+            extra=fields(
+                request_id=rid,
+                status=status,
+                error=error_code or None,
+                pool=self.pool,
+                **details,
+                total_s=round(time.perf_counter() - started, 4),
+            ),
+        )
 
     # ------------------------------------------------------------ beats
 

@@ -76,6 +76,7 @@ class PrefillWorker(Worker):
     ) -> None:
         super().__init__(nc, settings, backend, worker_id)
         self.engine = backend
+        self.log = log
         self.cache = cache
         self.cfg = settings.handoff
         self.chunk_bytes = chunk_limit(nc, settings, self.cfg.chunk_bytes)
@@ -148,23 +149,15 @@ class PrefillWorker(Worker):
             status, error_code = await self.fail(out, e)
         finally:
             metrics.RUNNING.dec()
-            metrics.REQUESTS.labels(status=status).inc()
-            if status != "ok":
-                span.set_status(trace.StatusCode.ERROR, error_code)
-            span.end()
-            self.tasks.pop(rid, None)
-            log.info(
-                "request",
-                extra=fields(
-                    request_id=rid,
-                    status=status,
-                    error=error_code or None,
-                    pool=self.pool,
-                    decode_worker=decode_worker or None,
-                    prompt_tokens=usage.prompt_tokens,
-                    cached_tokens=usage.cached_tokens,
-                    total_s=round(time.perf_counter() - started, 4),
-                ),
+            self.finish(
+                rid,
+                span,
+                status,
+                error_code,
+                started,
+                decode_worker=decode_worker or None,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
             )
 
     # ------------------------------------------------------------ done at the first token
