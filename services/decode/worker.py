@@ -229,17 +229,7 @@ class Worker:
         last_token_at = 0.0
         usage = Usage()
         status, error_code = "ok", ""
-        metrics.RUNNING.inc()
-        metrics.QUEUE.observe(a.queued_s)
-        span = self._tracer.start_span(
-            "worker.generate",
-            context=parent,
-            attributes={
-                "strait.request_id": rid,
-                "strait.worker_id": self.worker_id,
-                "strait.pool": self.pool,
-            },
-        )
+        span = self.begin("worker.generate", a, parent)
         phase_ctx = trace.set_span_in_context(span)
         # Aggregated mode runs both phases here: "prefill" until the first token, then "decode".
         # A handed-off request is in its decode phase from the start.
@@ -288,7 +278,6 @@ class Worker:
         except (Exception, asyncio.CancelledError) as e:
             status, error_code = await self.fail(out, e)
         finally:
-            metrics.RUNNING.dec()
             phase.set_attribute("strait.completion_tokens", usage.completion_tokens)
             phase.end()
             span.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
@@ -306,6 +295,21 @@ class Worker:
                 ttft_s=round(ttft, 4) if ttft else None,
             )
 
+    def begin(self, span_name: str, a: Assignment, parent: Context) -> trace.Span:
+        """A request's start: running and queue-time metrics, and its span (ended by
+        :meth:`finish`)."""
+        metrics.RUNNING.inc()
+        metrics.QUEUE.observe(a.queued_s)
+        return self._tracer.start_span(
+            span_name,
+            context=parent,
+            attributes={
+                "strait.request_id": a.request.request_id,
+                "strait.worker_id": self.worker_id,
+                "strait.pool": self.pool,
+            },
+        )
+
     def finish(
         self,
         rid: str,
@@ -316,6 +320,7 @@ class Worker:
         **details: object,
     ) -> None:
         """A request's end, whatever it was: metrics, span status, the one INFO log line."""
+        metrics.RUNNING.dec()
         metrics.REQUESTS.labels(status=status).inc()
         if status != "ok":
             span.set_status(trace.StatusCode.ERROR, error_code)

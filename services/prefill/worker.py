@@ -92,17 +92,7 @@ class PrefillWorker(Worker):
         status, error_code = "ok", ""
         usage = Usage()
         decode_worker = ""
-        metrics.RUNNING.inc()
-        metrics.QUEUE.observe(a.queued_s)
-        span = self._tracer.start_span(
-            "prefill",
-            context=parent,
-            attributes={
-                "strait.request_id": rid,
-                "strait.worker_id": self.worker_id,
-                "strait.pool": self.pool,
-            },
-        )
+        span = self.begin("prefill", a, parent)
         try:
             if req.want_route:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
@@ -148,7 +138,6 @@ class PrefillWorker(Worker):
         except (Exception, asyncio.CancelledError) as e:
             status, error_code = await self.fail(out, e)
         finally:
-            metrics.RUNNING.dec()
             self.finish(
                 rid,
                 span,
