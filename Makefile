@@ -26,7 +26,10 @@ $(MODEL_STAMP): $(STAMP)
 
 models: $(MODEL_STAMP) ## convert the default model (GGUF → safetensors) once, under .strait/models
 
-run: models ## bring up the whole fleet in the foreground (Ctrl-C stops it)
+kernels: $(STAMP) ## compile Strait's CPU kernels (cached; workers build them on first use otherwise)
+	$(BIN)/python -m libs.engine.kernels
+
+run: models kernels ## bring up the whole fleet in the foreground (Ctrl-C stops it)
 	$(BIN)/strait up
 
 lint: $(STAMP) ## ruff lint + format check
@@ -40,7 +43,7 @@ format: $(STAMP) ## apply ruff formatting and autofixes
 typecheck: $(STAMP) ## mypy on libs/ and services/
 	$(BIN)/mypy libs services
 
-test: models lint typecheck ## lint, typecheck, then every test tier
+test: models kernels lint typecheck ## lint, typecheck, then every test tier
 	$(BIN)/pytest
 
 unit: $(STAMP) ## unit tests only
@@ -49,10 +52,10 @@ unit: $(STAMP) ## unit tests only
 integration: $(STAMP) ## integration tests (real nats-server, PostgreSQL when TEST_DATABASE_URL is set)
 	$(BIN)/pytest -m integration
 
-e2e: models ## end-to-end tests on the real model
+e2e: models kernels ## end-to-end tests on the real model
 	$(BIN)/pytest -m e2e
 
-bench-engine: models ## offline engine throughput vs transformers generate
+bench-engine: models kernels ## offline engine throughput vs transformers generate
 	$(BIN)/strait bench engine
 
 schemas: $(STAMP) ## regenerate docs/schemas from the wire protocol
@@ -61,4 +64,4 @@ schemas: $(STAMP) ## regenerate docs/schemas from the wire protocol
 clean: ## remove caches (keeps .venv and .strait)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 
-.PHONY: help install models run lint format typecheck test unit integration e2e bench-engine schemas clean
+.PHONY: help install models kernels run lint format typecheck test unit integration e2e bench-engine schemas clean

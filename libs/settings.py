@@ -182,6 +182,10 @@ class EngineSettings(BaseModel):
     prefill_chunk_tokens: int = 256
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: torch's default
+    # Strait's CPU kernels (packed-weight linears, paged decode attention; libs/engine/kernels)
+    # for float32 models on the CPU: "auto" uses them when they build, "on" fails when they
+    # cannot, "off" runs torch's kernels only.
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
 
 
 class CacheSettings(BaseModel):

@@ -84,6 +84,10 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None  # [B] long: packed positions
     decode_block_ids: torch.Tensor | None = None  # [B * max_blocks] long
     decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] bool
+    # With Strait's CPU kernels (libs/engine/kernels) instead of the padded gather + SDPA:
+    kernels: Any = None  # the compiled module, or None for torch's kernels
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, rows padded
+    decode_context_lens: torch.Tensor | None = None  # [B] long
 
 
 def paged_attention(
@@ -112,8 +116,21 @@ def paged_attention(
     q = query[0]  # [H, T, D]
     out = query.new_empty(t, h, d)  # [T, H, D]
 
-    # 2a. Decode tokens: one padded, batched SDPA.
-    if meta.decode_token_idx is not None:
+    # 2a. Decode tokens: the CPU kernel reads each sequence's blocks in place ...
+    if meta.decode_token_idx is not None and meta.kernels is not None:
+        # [H, B, D] -> [B, H, D]
+        qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)
+        od = meta.kernels.paged_decode_attention(
+            qd,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scaling if scaling is not None else d**-0.5,
+        )
+        out.index_copy_(0, meta.decode_token_idx, od)
+    # ... or torch's: one padded, batched SDPA.
+    elif meta.decode_token_idx is not None:
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
         b = meta.decode_token_idx.shape[0]
         # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from libs.engine import attention
+from libs.engine import attention, kernels
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
+from libs.engine.kernels.linear import pack_linears
 from libs.engine.scheduler import ScheduledSeq
 from libs.settings import EngineSettings
 
@@ -134,6 +135,13 @@ class ModelRunner:
             self.device,
         )
         self.groups = self.shape.num_heads // self.shape.num_kv_heads
+        # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
+        self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
+        if self.kernels is not None and self.shape.head_dim % 8:
+            self.kernels = None  # the decode-attention kernel works in 8-float vectors
+        if self.kernels is not None:
+            n = pack_linears(model, self.kernels)
+            log.info("CPU kernels: %d linear layers packed, paged decode attention", n)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -190,6 +198,11 @@ class ModelRunner:
             padded = [t + [t[-1]] * (max_blocks - len(t)) for t in dec_tables]
             lens = torch.tensor(dec_lens)
             meta.decode_token_idx = torch.tensor(dec_idx, device=self.device)
+        if dec_idx and self.kernels is not None:
+            meta.kernels = self.kernels
+            meta.decode_block_tables = torch.tensor(padded)  # [B, max_blocks]
+            meta.decode_context_lens = lens  # [B]
+        elif dec_idx:
             meta.decode_block_ids = torch.tensor(padded, device=self.device).view(-1)
             # [1, B, 1, L_max] True where the key position is inside the sequence.
             mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)

@@ -36,8 +36,11 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_matches_generate_with_chunks_prefix_hits_and_preemption(arch: str) -> None:
+def test_greedy_matches_generate_with_chunks_prefix_hits_and_preemption(
+    arch: str, cpu_kernels: str
+) -> None:
     model = tiny_model(arch)
     ps = prompts()
     refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
@@ -49,8 +52,10 @@ def test_greedy_matches_generate_with_chunks_prefix_hits_and_preemption(arch: st
         prefill_chunk_tokens=8,
         max_num_batched_tokens=24,
         max_num_seqs=6,
+        cpu_kernels=cpu_kernels,
     )
     engine = LLMEngine(model, None, settings, "tiny")
+    assert (engine.runner.kernels is not None) == (cpu_kernels == "on")
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
     results = run_engine(engine, subs)

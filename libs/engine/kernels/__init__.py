@@ -1,0 +1,84 @@
+"""Strait's CPU kernels (``cpu_kernels.cpp``), compiled on first use and cached.
+
+The model runner calls :func:`load` once at start when ``engine.cpu_kernels`` allows it; the
+result is the compiled module (``pack_weight``, ``packed_linear``, ``paged_decode_attention``)
+or ``None`` when the kernels are off, the device is not a CPU, the dtype is not float32, or
+(under ``auto``) the build failed. ``make kernels`` / ``python -m libs.engine.kernels`` builds
+them ahead of time so a worker's first start does not wait for the compiler (~40 s here).
+
+Why the kernels exist (MKL's fp32 GEMV and small-M GEMMs, SDPA over a padded gather):
+docs/decisions/0005-cpu-kernels.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger("strait.engine")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+Mode = Literal["auto", "on", "off"]
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def _cpu_tag() -> str:
+    """Short hash of this CPU's feature flags: builds use -march=native, so a build cached for
+    one CPU is never loaded on another."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags += line
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+def build() -> Any:
+    """Compile (or load the cached build of) the kernels; raises when the build fails."""
+    with _lock:
+        if "module" in _loaded:
+            return _loaded["module"]
+        from torch.utils.cpp_extension import load as load_extension
+
+        module = load_extension(
+            name=f"strait_cpu_kernels_{_cpu_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # libgomp resolves to the copy torch has already loaded (same soname), so the
+            # kernels share torch's OpenMP thread pool instead of starting a second one.
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        _loaded["module"] = module
+        return module
+
+
+def load(mode: Mode, device: str, dtype: str) -> Any | None:
+    """The kernels for a model on ``device`` in ``dtype``, or ``None`` when they do not apply.
+
+    ``on`` raises when they cannot be used; ``auto`` logs why and returns ``None``."""
+    if mode == "off":
+        return None
+    if not device.startswith("cpu") or dtype != "float32":
+        if mode == "on":
+            raise ValueError(
+                f"engine.cpu_kernels=on needs a float32 CPU model, not {dtype} on {device}"
+            )
+        return None
+    try:
+        return build()
+    except Exception as e:  # a missing compiler or headers: fall back to torch's kernels
+        if mode == "on":
+            raise
+        log.warning("CPU kernels unavailable, using torch's (%s: %s)", type(e).__name__, e)
+        return None

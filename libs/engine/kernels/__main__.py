@@ -1,0 +1,10 @@
+"""``python -m libs.engine.kernels``: build the CPU kernels ahead of a worker's first start."""
+
+import time
+
+from libs.engine import kernels
+
+t0 = time.perf_counter()
+print("building Strait's CPU kernels (cached after the first build)...", flush=True)
+module = kernels.build()
+print(f"CPU kernels ready in {time.perf_counter() - t0:.1f} s (AVX2: {module.avx2})")

@@ -1,0 +1,345 @@
+// Strait's CPU kernels: a small-M linear over pre-packed weights and paged decode attention.
+//
+// Loaded (compiled on first use) by libs/engine/kernels/__init__.py; called by
+// libs/engine/kernels/linear.py (PackedLinear) and libs/engine/attention.py (decode tokens).
+// fp32 only; AVX2 + FMA paths with a plain C++ fallback for other CPUs.
+//
+// Numerics: every output of `packed_linear` is one sequential fused-multiply-add chain over k
+// = 0..K-1, whatever M is and wherever the row sits in the batch, so a sequence's logits do not
+// depend on how many other sequences share its step.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STRAIT_AVX2 1
+#else
+#define STRAIT_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 16;  // output columns per packed panel (two 8-float registers)
+constexpr int64_t kMR = 6;  // rows of x per micro-tile: 6 x 2 accumulators + 2 weight registers
+
+// ------------------------------------------------------------------ packed linear
+
+// w [N, K] -> [ceil(N / 16), K, 16]: panel p holds columns 16p..16p+15, k-major, zero padded.
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight must be [N, K]");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+              "pack_weight: float32 CPU weights only");
+  const auto w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kNR - 1) / kNR;
+  auto out = torch::zeros({panels, k, kNR}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t j = 0; j < kNR && p * kNR + j < n; ++j) {
+        const float* row = src + (p * kNR + j) * k;
+        float* col = dst + p * k * kNR + j;
+        for (int64_t i = 0; i < k; ++i) col[i * kNR] = row[i];
+      }
+    }
+  });
+  return out;
+}
+
+// y[r, 0:cols] = x[r, :] . panel  for r < R (R rows of x, row stride ldx), one panel.
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
+                       int64_t ldy, int64_t cols, const float* bias) {
+  float tmp[kNR];
+#if STRAIT_AVX2
+  // Named accumulators, not an array: GCC spills an accumulator array to the stack every
+  // iteration, which caps the tile at a third of the FMA rate.
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + 2 * ldx;
+  const float* x3 = x + 3 * ldx;
+  const float* x4 = x + 4 * ldx;
+  const float* x5 = x + 5 * ldx;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(panel + i * kNR);
+    const __m256 w1 = _mm256_loadu_ps(panel + i * kNR + 8);
+    __m256 xv = _mm256_broadcast_ss(x0 + i);
+    c00 = _mm256_fmadd_ps(xv, w0, c00);
+    c01 = _mm256_fmadd_ps(xv, w1, c01);
+    if constexpr (R > 1) {
+      xv = _mm256_broadcast_ss(x1 + i);
+      c10 = _mm256_fmadd_ps(xv, w0, c10);
+      c11 = _mm256_fmadd_ps(xv, w1, c11);
+    }
+    if constexpr (R > 2) {
+      xv = _mm256_broadcast_ss(x2 + i);
+      c20 = _mm256_fmadd_ps(xv, w0, c20);
+      c21 = _mm256_fmadd_ps(xv, w1, c21);
+    }
+    if constexpr (R > 3) {
+      xv = _mm256_broadcast_ss(x3 + i);
+      c30 = _mm256_fmadd_ps(xv, w0, c30);
+      c31 = _mm256_fmadd_ps(xv, w1, c31);
+    }
+    if constexpr (R > 4) {
+      xv = _mm256_broadcast_ss(x4 + i);
+      c40 = _mm256_fmadd_ps(xv, w0, c40);
+      c41 = _mm256_fmadd_ps(xv, w1, c41);
+    }
+    if constexpr (R > 5) {
+      xv = _mm256_broadcast_ss(x5 + i);
+      c50 = _mm256_fmadd_ps(xv, w0, c50);
+      c51 = _mm256_fmadd_ps(xv, w1, c51);
+    }
+  }
+  const __m256 lo[6] = {c00, c10, c20, c30, c40, c50};
+  const __m256 hi[6] = {c01, c11, c21, c31, c41, c51};
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(tmp, lo[r]);
+    _mm256_storeu_ps(tmp + 8, hi[r]);
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = bias ? tmp[j] + bias[j] : tmp[j];
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kNR; ++j) tmp[j] = 0.f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float xv = x[r * ldx + i];
+      for (int64_t j = 0; j < kNR; ++j) tmp[j] = std::fma(xv, panel[i * kNR + j], tmp[j]);
+    }
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = bias ? tmp[j] + bias[j] : tmp[j];
+  }
+#endif
+}
+
+inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t k,
+                       float* y, int64_t ldy, int64_t cols, const float* bias) {
+  int64_t r = 0;
+  for (; r + kMR <= rows; r += kMR)
+    panel_tile<kMR>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias);
+  switch (rows - r) {
+    case 5: panel_tile<5>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    case 4: panel_tile<4>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    case 3: panel_tile<3>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    case 2: panel_tile<2>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    case 1: panel_tile<1>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    default: break;
+  }
+}
+
+// x [M, K] . packed [P, K, 16] (+ bias [N]) -> [M, N]
+torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t n,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32, "x must be [M, K] f32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR, "packed weight must be [P, K, 16]");
+  const auto x = input.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k, "packed_linear: K mismatch");
+  TORCH_CHECK(panels * kNR >= n && (panels - 1) * kNR < n, "packed_linear: N mismatch");
+  auto out = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    bp = b.data_ptr<float>();
+  }
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kNR, n - p * kNR);
+      panel_rows(xp, k, m, wp + p * k * kNR, k, yp + p * kNR, n, cols, bp ? bp + p * kNR : nullptr);
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ paged decode attention
+
+#if STRAIT_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): range reduction to r in [-ln2/2, ln2/2]
+// and a degree-6 polynomial; relative error ~2e-7. Inputs below -87 give ~0.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t d) {
+#if STRAIT_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  float s = hsum(_mm256_add_ps(s0, s1));
+#else
+  float s = 0.f;
+  int64_t i = 0;
+#endif
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// scores[0:len] <- exp(scores - max); returns the sum.
+inline float softmax_numerators(float* scores, int64_t len) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) mx = std::max(mx, scores[j]);
+  float sum = 0.f;
+  int64_t j = 0;
+#if STRAIT_AVX2
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmx));
+    _mm256_storeu_ps(scores + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; j < len; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  return sum;
+}
+
+// out[0:d] = inv * sum_j p[j] * v_j over the first `len` tokens of the sequence's blocks.
+inline void weighted_values(const float* p, int64_t len, const float* v_head, const int64_t* table,
+                            int64_t bs, int64_t d, float inv, float* out) {
+  int64_t d0 = 0;
+#if STRAIT_AVX2
+  // 64 columns at a time in eight named accumulators (an array would be spilled every key).
+  for (; d0 + 64 <= d; d0 += 64) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {
+      const int64_t n = std::min(bs, len - j0);
+      const float* vb = v_head + table[blk] * bs * d + d0;
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pj = _mm256_set1_ps(p[j0 + t]);
+        const float* v = vb + t * d;
+        a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), a7);
+      }
+    }
+    const __m256 vi = _mm256_set1_ps(inv);
+    _mm256_storeu_ps(out + d0, _mm256_mul_ps(a0, vi));
+    _mm256_storeu_ps(out + d0 + 8, _mm256_mul_ps(a1, vi));
+    _mm256_storeu_ps(out + d0 + 16, _mm256_mul_ps(a2, vi));
+    _mm256_storeu_ps(out + d0 + 24, _mm256_mul_ps(a3, vi));
+    _mm256_storeu_ps(out + d0 + 32, _mm256_mul_ps(a4, vi));
+    _mm256_storeu_ps(out + d0 + 40, _mm256_mul_ps(a5, vi));
+    _mm256_storeu_ps(out + d0 + 48, _mm256_mul_ps(a6, vi));
+    _mm256_storeu_ps(out + d0 + 56, _mm256_mul_ps(a7, vi));
+  }
+#endif
+  for (; d0 < d; ++d0) {  // head dims that are not a multiple of 64 (and non-AVX2 CPUs)
+    float a = 0.f;
+    for (int64_t j = 0; j < len; ++j) a = std::fma(p[j], v_head[(table[j / bs] * bs + j % bs) * d + d0], a);
+    out[d0] = a * inv;
+  }
+}
+
+// q [B, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D] (last three dims contiguous);
+// block_tables [B, max_blocks] int64 (rows padded past each sequence's blocks);
+// context_lens [B] int64 -> out [B, H, D]. Query head h reads KV head h / (H / Hkv).
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32, "q must be [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32, "bad k_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "cache blocks must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block_tables and context_lens must be int64");
+  const auto q = query.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = context_lens.contiguous();
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(0), bs = k_cache.size(2), max_blocks = tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == d && h % hkv == 0, "head shapes do not match");
+  const int64_t groups = h / hkv, head_stride = k_cache.stride(0);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, b * hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t seq = i / hkv, kh = i % hkv, len = lp[seq];
+      TORCH_CHECK(len > 0 && len <= max_blocks * bs, "context length outside the block table");
+      scores.resize(groups * len);
+      const int64_t* table = tp + seq * max_blocks;
+      const float* kh_base = kp + kh * head_stride;
+      const float* vh_base = vp + kh * head_stride;
+      const float* q0 = qp + (seq * h + kh * groups) * d;
+      // scores[g, j] = q_g . k_j * scale, block by block (no division per key).
+      for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {
+        const int64_t n = std::min(bs, len - j0);
+        const float* kb = kh_base + table[blk] * bs * d;
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < groups; ++g)
+            scores[g * len + j0 + t] = dot(q0 + g * d, kb + t * d, d) * fscale;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float* s = scores.data() + g * len;
+        const float inv = 1.f / softmax_numerators(s, len);
+        weighted_values(s, len, vh_base, table, bs, d, inv, op + (seq * h + kh * groups + g) * d);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "w [N, K] -> packed [ceil(N/16), K, 16]");
+  m.def("packed_linear", &packed_linear, "x [M, K] . packed weight (+ bias) -> [M, N]");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per sequence over its KV blocks");
+  m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
+}

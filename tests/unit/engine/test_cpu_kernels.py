@@ -1,0 +1,124 @@
+"""Strait's CPU kernels (libs/engine/kernels) against torch's float64 results, and the model
+runner's use of them. The kernels must build here: no skip (CI has a compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libs.engine import kernels
+from libs.engine.kernels.linear import PackedLinear, pack_linears
+from tests.unit.engine.helpers import tiny_model
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def k() -> object:
+    return kernels.build()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 100])
+@pytest.mark.parametrize(
+    ("n", "kdim", "bias"), [(64, 48, False), (50, 37, True), (192, 576, False)]
+)
+def test_packed_linear_matches_linear(k, m: int, n: int, kdim: int, bias: bool) -> None:
+    torch.manual_seed(m * 1000 + n)
+    w, x = torch.randn(n, kdim), torch.randn(m, kdim)
+    b = torch.randn(n) if bias else None
+    y = k.packed_linear(x, k.pack_weight(w), n, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * kdim**0.5)
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch(k) -> None:
+    """Every output is one FMA chain over k: a row's result is bit-identical alone or in any
+    batch, at any position (rows fall in different micro-tiles)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(100, 576), torch.randn(23, 576)
+    packed = k.pack_weight(w)
+    batch = k.packed_linear(x, packed, 100, None)
+    for i in (0, 5, 6, 22):
+        assert torch.equal(k.packed_linear(x[i : i + 1], packed, 100, None)[0], batch[i])
+    assert torch.equal(k.packed_linear(x[3:20], packed, 100, None), batch[3:20])
+
+
+def test_packed_linear_rejects_mismatched_shapes(k) -> None:
+    packed = k.pack_weight(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="K mismatch"):
+        k.packed_linear(torch.randn(2, 17), packed, 32, None)
+    with pytest.raises(RuntimeError, match="N mismatch"):
+        k.packed_linear(torch.randn(2, 16), packed, 64, None)
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
+    """float64 attention of each sequence's one query over its first lens[b] cached tokens."""
+    b, h, d = q.shape
+    hkv, _, bs, _ = k_cache.shape
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        blocks = tables[i, : -(-n // bs)]
+        keys = k_cache[:, blocks].reshape(hkv, -1, d)[:, :n].double()
+        vals = v_cache[:, blocks].reshape(hkv, -1, d)[:, :n].double()
+        qi = q[i].double().view(hkv, h // hkv, d)
+        p = torch.softmax(qi @ keys.transpose(1, 2) * scale, dim=-1)
+        out[i] = (p @ vals).reshape(h, d)
+    return out
+
+
+@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 2, 16, 4), (8, 8, 128, 8)])
+def test_paged_decode_attention_matches_reference(k, h: int, hkv: int, d: int, bs: int) -> None:
+    torch.manual_seed(d + bs)
+    num_blocks, lens = 64, torch.tensor([1, bs, bs + 1, 3 * bs - 1, 7 * bs + 5])
+    max_blocks = int(-(-lens.max() // bs))
+    k_cache = torch.randn(hkv, num_blocks, bs, d)
+    v_cache = torch.randn(hkv, num_blocks, bs, d)
+    # Scattered, distinct blocks; rows padded past each sequence's blocks with its last block.
+    perm = torch.randperm(num_blocks)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), h, d) * 3  # peaked softmax: exercises the max subtraction
+    out = k.paged_decode_attention(q, k_cache, v_cache, perm, lens, d**-0.5)
+    ref = reference_decode(q, k_cache, v_cache, perm, lens, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_reads_a_layer_view_of_the_cache(k) -> None:
+    """The runner passes views of one [layers, 2, Hkv, blocks, bs, D] tensor."""
+    torch.manual_seed(1)
+    data = torch.randn(2, 2, 2, 10, 4, 16)
+    tables, lens = torch.tensor([[3, 7, 1]]), torch.tensor([10])
+    q = torch.randn(1, 4, 16)
+    out = k.paged_decode_attention(q, data[1, 0], data[1, 1], tables, lens, 0.25)
+    ref = reference_decode(q, data[1, 0], data[1, 1], tables, lens, 0.25)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_keeps_a_tied_head_and_the_outputs() -> None:
+    model = tiny_model("llama", seed=3)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie, as SmolLM2 is
+    ids = torch.tensor([[5, 17, 250, 3, 99]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    k = kernels.build()
+    packed = pack_linears(model, k)
+    assert packed == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the embedding still reads it
+    assert model.model.layers[0].self_attn.q_proj.weight is None  # untied originals are freed
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_load_follows_the_setting() -> None:
+    assert kernels.load("off", "cpu", "float32") is None
+    assert kernels.load("auto", "cpu", "bfloat16") is None
+    assert kernels.load("auto", "cuda", "float32") is None
+    assert kernels.load("auto", "cpu", "float32") is not None
+    with pytest.raises(ValueError, match="float32 CPU"):
+        kernels.load("on", "cuda:0", "float32")
