@@ -185,6 +185,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: settings default")
     p.add_argument(
+        "--cpu-kernels",
+        choices=["auto", "on", "off"],
+        default="",
+        help="engine.cpu_kernels for the engine (default: the settings'); off = torch's kernels",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the measurements, one extra profiled engine run at the largest level",
@@ -233,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_settings.max_num_seqs = max(engine_settings.max_num_seqs, max(levels))
     if args.max_num_batched_tokens:
         engine_settings.max_num_batched_tokens = args.max_num_batched_tokens
+    if args.cpu_kernels:
+        engine_settings.cpu_kernels = args.cpu_kernels
     if not engine_settings.kv_cache_bytes:
         # Room for every sequence of the largest level twice over (tokens → bytes per block).
         need = max(levels) * (args.prompt_tokens + args.max_tokens + engine_settings.block_size)
@@ -248,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     report.settings = engine_settings.model_dump()
     engine_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = LLMEngine(engine_model, tokenizer, engine_settings, args.model)
+    report.settings["cpu_kernels_in_use"] = engine.runner.kernels is not None
+    print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}", flush=True)
     # Warm both paths up (first calls allocate and pick kernels) with prompts not reused later.
     warm = make_prompts(tokenizer, 2, args.prompt_tokens, tag="Warm-up. ")
     run_engine(engine, warm, 4)
