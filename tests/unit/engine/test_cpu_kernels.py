@@ -122,3 +122,15 @@ def test_load_follows_the_setting() -> None:
     assert kernels.load("auto", "cpu", "float32") is not None
     with pytest.raises(ValueError, match="float32 CPU"):
         kernels.load("on", "cuda:0", "float32")
+
+
+def test_auto_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog) -> None:
+    def no_compiler() -> None:
+        raise OSError("c++: not found")
+
+    monkeypatch.setattr(kernels, "build", no_compiler)
+    with caplog.at_level("WARNING", logger="strait.engine"):
+        assert kernels.load("auto", "cpu", "float32") is None
+    assert "using torch's" in caplog.text
+    with pytest.raises(OSError, match="not found"):
+        kernels.load("on", "cpu", "float32")
