@@ -48,11 +48,16 @@ M = "model-a"
 async def until_held(cache: CacheClient, kv: KvBlocks, salt: str = "") -> None:
     """Stores are fire-and-forget: wait until the lookup sees every block."""
     want = len(kv.header.block_hashes)
-    deadline = time.monotonic() + 5.0
+    # Generous: on a loaded 2-core CI machine a lookup round trip can take seconds.
+    deadline = time.monotonic() + 15.0
+    answers = []
     while (
-        await cache.lookup(kv.header.model_id, kv.header.block_hashes, salt)
+        answer := await cache.lookup(kv.header.model_id, kv.header.block_hashes, salt)
     ).num_hit_blocks < want:
-        assert time.monotonic() < deadline, "stored blocks never became visible"
+        answers.append((answer.num_hit_blocks, answer.miss_reason, answer.error))
+        assert time.monotonic() < deadline, (
+            f"stored blocks never became visible; lookups said {answers[:3]} … {answers[-3:]}"
+        )
         await asyncio.sleep(0.02)
 
 
