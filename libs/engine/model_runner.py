@@ -137,8 +137,6 @@ class ModelRunner:
         self.groups = self.shape.num_heads // self.shape.num_kv_heads
         # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
-        if self.kernels is not None and self.shape.head_dim % 8:
-            self.kernels = None  # the decode-attention kernel works in 8-float vectors
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged decode attention", n)

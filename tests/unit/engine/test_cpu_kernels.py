@@ -70,7 +70,9 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 2, 16, 4), (8, 8, 128, 8)])
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 2, 16, 4), (8, 8, 128, 8), (6, 2, 12, 4)]
+)
 def test_paged_decode_attention_matches_reference(k, h: int, hkv: int, d: int, bs: int) -> None:
     torch.manual_seed(d + bs)
     num_blocks, lens = 64, torch.tensor([1, bs, bs + 1, 3 * bs - 1, 7 * bs + 5])
