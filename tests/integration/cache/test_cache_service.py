@@ -61,6 +61,16 @@ async def until_held(cache: CacheClient, kv: KvBlocks, salt: str = "") -> None:
         await asyncio.sleep(0.02)
 
 
+async def until_answering(cache: CacheClient) -> None:
+    """Until a lookup from the client's connection gets an answer: stores are fire-and-forget,
+    so one published before the service is reachable is lost (a clean-clone CI run once saw
+    the first lookup after ``service.start()`` on a fresh server get NoResponders)."""
+    deadline = time.monotonic() + 15.0
+    while (answer := await cache.lookup(M, [1])).error:
+        assert time.monotonic() < deadline, f"the cache service never answered: {answer.error}"
+        await asyncio.sleep(0.05)
+
+
 async def test_store_lookup_fetch_round_trip_is_bit_exact(
     cache_service: CacheService, cache: CacheClient
 ) -> None:
@@ -104,6 +114,7 @@ async def test_payloads_larger_than_max_payload_travel_in_chunks(
             # 2 layers * 2 * 4 heads * 16 blocks * 16 tokens * 32 dims * 4 bytes = 512 KiB
             kv = random_blocks(M, 16, seed=3, kv_heads=4, block_size=16, head_dim=32)
             assert len(kv_transfer.encode(kv)) > 4 * client_nc.max_payload
+            await until_answering(cache)
             await cache.store(kv)
             await until_held(cache, kv)
             assert len(chunks) > 4 and max(chunks) <= client_nc.max_payload
