@@ -191,6 +191,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine.cpu_kernels for the engine (default: the settings'); off = torch's kernels",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="engine.compile on: torch.compile the decode forward (compiled during warm-up)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the measurements, one extra profiled engine run at the largest level",
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_settings.max_num_batched_tokens = args.max_num_batched_tokens
     if args.cpu_kernels:
         engine_settings.cpu_kernels = args.cpu_kernels
+    if args.compile:
+        engine_settings.compile = True
     if not engine_settings.kv_cache_bytes:
         # Room for every sequence of the largest level twice over (tokens → bytes per block).
         need = max(levels) * (args.prompt_tokens + args.max_tokens + engine_settings.block_size)
@@ -257,10 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     engine_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = LLMEngine(engine_model, tokenizer, engine_settings, args.model)
     report.settings["cpu_kernels_in_use"] = engine.runner.kernels is not None
-    print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}", flush=True)
-    # Warm both paths up (first calls allocate and pick kernels) with prompts not reused later.
-    warm = make_prompts(tokenizer, 2, args.prompt_tokens, tag="Warm-up. ")
-    run_engine(engine, warm, 4)
+    compiled = " + torch.compile" if engine.runner.compiled is not None else ""
+    print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}{compiled}")
+    # Warm both paths up (first calls allocate and pick kernels; with --compile, one graph for
+    # a single sequence and one for several) with prompts not reused later.
+    warm = make_prompts(tokenizer, 3, args.prompt_tokens, tag="Warm-up. ")
+    if compiled:
+        print("compiling the decode forward (cached on disk for later runs)...", flush=True)
+    run_engine(engine, warm[:1], 4)
+    run_engine(engine, warm[1:], 4)
     run_static_batch(hf_model, tokenizer, warm, 4)
 
     one_tok_s = None

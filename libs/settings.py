@@ -186,6 +186,10 @@ class EngineSettings(BaseModel):
     # for float32 models on the CPU: "auto" uses them when they build, "on" fails when they
     # cannot, "off" runs torch's kernels only.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
+    # torch.compile the decode-only forward (with the CPU kernels): fuses transformers' small ops
+    # and drops most per-op Python overhead; costs a compile (~1-2 min on 2 cores, cached on disk)
+    # on the first decode steps. Decision 0006.
+    compile: bool = False
 
 
 class CacheSettings(BaseModel):

@@ -88,6 +88,9 @@ class AttentionMetadata:
     kernels: Any = None  # the compiled module, or None for torch's kernels
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, rows padded
     decode_context_lens: torch.Tensor | None = None  # [B] long
+    # Every token is a decode token, in sequence order (kernels only): one fused op per layer,
+    # the graph ``engine.compile`` compiles.
+    decode_only: bool = False
 
 
 def paged_attention(
@@ -105,6 +108,26 @@ def paged_attention(
     meta = strait_attn
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs strait_attn metadata")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if meta.decode_only:
+        # [1, H, B, D] -> [B, H, D]; key, value [1, Hkv, B, D] -> [B, Hkv, D]
+        args = (
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            meta.cache.data,
+            module.layer_idx,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+        )
+        if torch.compiler.is_compiling():
+            od = torch.ops.strait.paged_decode(*args)
+        else:
+            od = meta.kernels.paged_decode(*args)
+        return od.unsqueeze(0), None
+
     k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
     hkv, num_blocks, block_size, d = k_cache.shape
     # 1. Write the new K/V into their slots.
@@ -126,7 +149,7 @@ def paged_attention(
             v_cache,
             meta.decode_block_tables,
             meta.decode_context_lens,
-            scaling if scaling is not None else d**-0.5,
+            scale,
         )
         out.index_copy_(0, meta.decode_token_idx, od)
     # ... or torch's: one padded, batched SDPA.

@@ -59,6 +59,9 @@ def build() -> Any:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        from libs.engine.kernels.ops import register_fakes
+
+        register_fakes()
         _loaded["module"] = module
         return module
 

@@ -334,12 +334,65 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return out;
 }
 
+// One decode token per sequence, in one call per layer: write its K/V into the paged cache,
+// then attend. query [B, H, D]; key, value [B, Hkv, D]; kv the whole cache
+// [layers, 2, Hkv, num_blocks, block_size, D] (written at `layer`); slot_mapping [B] int64
+// (flat slot = block * block_size + offset) -> out [B, H, D].
+torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& key,
+                           const torch::Tensor& value, torch::Tensor& kv, int64_t layer,
+                           const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                           const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == torch::kFloat32,
+              "kv must be a contiguous float32 [layers, 2, Hkv, blocks, block_size, D]");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(0), "layer out of range");
+  const int64_t hkv = kv.size(2), slots_per_head = kv.size(3) * kv.size(4), d = kv.size(5);
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == hkv && key.size(2) == d &&
+                  key.sizes() == value.sizes() && key.scalar_type() == torch::kFloat32 &&
+                  value.scalar_type() == torch::kFloat32,
+              "key and value must be float32 [B, Hkv, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == key.size(0),
+              "slot_mapping must be int64 [B]");
+  auto k_cache = kv.select(0, layer).select(0, 0);  // [Hkv, blocks, block_size, D]
+  auto v_cache = kv.select(0, layer).select(0, 1);
+  const auto k = key.contiguous(), v = value.contiguous();
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t i = 0; i < k.size(0); ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < slots_per_head, "slot outside the cache");
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t dst = (h * slots_per_head + sp[i]) * d, src = (i * hkv + h) * d;
+      std::copy(kp + src, kp + src + d, kc + dst);
+      std::copy(vp + src, vp + src + d, vc + dst);
+    }
+  }
+  return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale);
+}
+
 }  // namespace
+
+// The same kernels as dispatcher ops (torch.ops.strait.*), which torch.compile keeps as opaque
+// nodes; their shape functions ("fake" kernels) are registered in kernels/ops.py.
+TORCH_LIBRARY(strait, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def(
+      "paged_decode(Tensor query, Tensor key, Tensor value, Tensor(a!) kv, int layer, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(strait, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("paged_decode", &paged_decode);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "w [N, K] -> packed [ceil(N/16), K, 16]");
   m.def("packed_linear", &packed_linear, "x [M, K] . packed weight (+ bias) -> [M, N]");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence over its KV blocks");
+  m.def("paged_decode", &paged_decode, "write one decode token's K/V per sequence, then attend");
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
 }

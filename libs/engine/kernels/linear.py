@@ -33,9 +33,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.kernels.packed_linear(
-            x.reshape(-1, self.in_features), self.packed, self.out_features, self.bias
-        )
+        x2 = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.strait.packed_linear(x2, self.packed, self.out_features, self.bias)
+        else:
+            y = self.kernels.packed_linear(x2, self.packed, self.out_features, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

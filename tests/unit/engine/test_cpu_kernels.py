@@ -98,6 +98,48 @@ def test_paged_decode_attention_reads_a_layer_view_of_the_cache(k) -> None:
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def paged_decode_case() -> tuple:
+    """Two sequences decoding one token each into a 3-layer cache, written at layer 1."""
+    torch.manual_seed(2)
+    kv = torch.randn(3, 2, 2, 12, 4, 16)  # [layers, 2, Hkv, blocks, block_size, D]
+    q, key, value = torch.randn(2, 6, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    tables = torch.tensor([[5, 2, 9], [11, 0, 0]])  # second row padded
+    lens = torch.tensor([11, 3])  # the new tokens sit at positions 10 and 2
+    slots = torch.tensor([9 * 4 + 2, 11 * 4 + 2])
+    return q, key, value, kv, 1, slots, tables, lens, 0.25
+
+
+@pytest.mark.parametrize("via", ["dispatcher", "pybind"])
+def test_paged_decode_writes_the_new_tokens_then_attends(k, via: str) -> None:
+    q, key, value, kv, layer, slots, tables, lens, scale = paged_decode_case()
+    before = kv.clone()
+    op = torch.ops.strait.paged_decode if via == "dispatcher" else k.paged_decode
+    out = op(q, key, value, kv, layer, slots, tables, lens, scale)
+    expected = before.clone()
+    flat = expected[layer].view(2, 2, 12 * 4, 16)  # [k/v, Hkv, slots, D]
+    flat[0, :, slots] = key.transpose(0, 1)
+    flat[1, :, slots] = value.transpose(0, 1)
+    assert torch.equal(kv, expected)  # the two slots of layer 1, nothing else
+    ref = reference_decode(q, kv[layer, 0], kv[layer, 1], tables, lens, scale)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_rejects_a_slot_outside_the_cache(k) -> None:
+    q, key, value, kv, layer, _slots, tables, lens, scale = paged_decode_case()
+    with pytest.raises(RuntimeError, match="slot outside the cache"):
+        torch.ops.strait.paged_decode(
+            q, key, value, kv, layer, torch.tensor([0, 12 * 4]), tables, lens, scale
+        )
+
+
+def test_dispatcher_ops_have_consistent_schemas_and_shape_functions(k) -> None:
+    """What torch.compile relies on: schema, fake kernels and mutation annotations agree with
+    the real kernels (torch.library.opcheck)."""
+    x, w = torch.randn(5, 24), torch.randn(40, 24)
+    torch.library.opcheck(torch.ops.strait.packed_linear.default, (x, k.pack_weight(w), 40, None))
+    torch.library.opcheck(torch.ops.strait.paged_decode.default, paged_decode_case())
+
+
 def test_pack_linears_keeps_a_tied_head_and_the_outputs() -> None:
     model = tiny_model("llama", seed=3)
     model.config.tie_word_embeddings = True
