@@ -225,7 +225,9 @@ class LLMEngine:
 
         touched: list[Sequence] = list(resumed)
         if rows:
-            out = self.sampler(logits[row_logits], rows)
+            # One logits row per sampling row unless n > 1 choices were just forked.
+            same = len(row_logits) == logits.shape[0]
+            out = self.sampler(logits if same else logits[row_logits], rows)
             for seq, token, lp in zip(sampling_seqs, out.token_ids, out.logprobs, strict=True):
                 self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
                 touched.append(seq)

@@ -66,12 +66,17 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return SampleOutput([], [])
-        logits = logits.to("cpu", torch.float32, copy=True)  # [S, V]; ours to modify in place
-        self._apply_penalties(logits, rows)
+        # [S, V]; copied only when penalties will modify it in place (the caller's is not ours)
+        penalised = any(_has_penalties(r) for r in rows)
+        logits = logits.to("cpu", torch.float32, copy=penalised)
+        if penalised:
+            self._apply_penalties(logits, rows)
         out_ids = [0] * len(rows)
 
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        if greedy:
+        if len(greedy) == len(rows):  # the common case: no row gather
+            out_ids = [int(t) for t in logits.argmax(dim=-1).tolist()]
+        elif greedy:
             idx = torch.tensor(greedy)
             for i, t in zip(
                 greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=True
@@ -148,6 +153,15 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return [int(t) for t in (probs / noise).argmax(dim=-1).tolist()]
+
+
+def _has_penalties(r: SamplingRow) -> bool:
+    """Whether :meth:`Sampler._apply_penalties` changes this row's logits."""
+    p = r.params
+    return bool(
+        (p.repetition_penalty != 1.0 and r.token_ids)
+        or ((p.frequency_penalty or p.presence_penalty) and r.output_counts)
+    )
 
 
 def _is_greedy(p: SamplingParams) -> bool:

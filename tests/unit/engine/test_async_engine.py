@@ -123,3 +123,34 @@ async def test_stop_strings_end_the_text_before_the_stop(backend: AsyncEngineBac
     )
     assert "".join(c.text for c in stopped) == full[: full.index(stop)]
     assert stopped[-1].finish_reason == "stop"
+
+
+async def test_compiled_decode_serves_from_the_engine_thread(tmp_path: Path) -> None:
+    """engine.compile: graphs compiled while loading (off the event loop), then run by the
+    engine thread; the tokens equal the eager engine's."""
+    path = save_tiny_model_dir(tmp_path / "tiny")
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [f"request {i} asks about rivers and bridges" for i in range(3)]
+    tokens: dict[bool, list[list[int]]] = {}
+    for compile_ in (False, True):
+        settings = EngineSettings(
+            block_size=4,
+            kv_cache_bytes=4 * 2**20,
+            max_model_len=256,
+            num_threads=1,
+            cpu_kernels="on",
+            compile=compile_,
+        )
+        b = AsyncEngineBackend(settings, str(path), "tiny")
+        await b.start()
+        try:
+            results = await asyncio.gather(
+                *[collect(b, f"r{i}", sampling, prompt=p) for i, p in enumerate(prompts)]
+            )
+            tokens[compile_] = [[t for c in chunks for t in c.token_ids] for chunks in results]
+            runner = b._engine.runner  # type: ignore[union-attr]
+            assert (runner.compiled_steps > 2) == compile_  # past the two warm-up calls
+        finally:
+            await b.stop()
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 8 for t in tokens[True])
