@@ -187,8 +187,8 @@ class EngineSettings(BaseModel):
     # cannot, "off" runs torch's kernels only.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # torch.compile the decode-only forward (with the CPU kernels): fuses transformers' small ops
-    # and drops most per-op Python overhead; costs a compile (~1-2 min on 2 cores, cached on disk)
-    # on the first decode steps. Decision 0006.
+    # and drops most per-op Python overhead; compiles at start (~5 min on 2 cores the first
+    # time, ~20 s from inductor's disk cache). Decision 0006.
     compile: bool = False
 
 

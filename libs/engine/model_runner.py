@@ -259,7 +259,9 @@ class ModelRunner:
         """Compile both decode graphs before serving, so no request waits for the compiler.
         Called by :meth:`__init__` when ``engine.compile`` is on. Writes junk K/V into blocks
         0-2, which no sequence holds yet (a block's slots are written before they are read)."""
-        if self.compiled is None or self.num_blocks < 3:
+        if self.compiled is None or self.num_blocks < 4:
+            # (the block count must differ from the traced batch and table widths, or dynamo
+            # would assume them equal)
             return
         bs = self.block_size
         # One sequence over two blocks; two sequences over three (sizes traced must differ,
@@ -281,8 +283,8 @@ class ModelRunner:
         """The compiled decode forward, over two graphs: one sequence, several.
 
         Only the sizes that vary are symbolic (the batch, except in the one-sequence graph,
-        and the block-table width, at least two, see :meth:`_forward`); the cache and weights
-        are static. Once a graph has run with every guard checked, later calls check only the
+        the block-table width, at least two, see :meth:`_forward`, and the cache's block
+        count); the weights and the rest of the cache's shape are static. Once a graph has run with every guard checked, later calls check only the
         guards that tell the two apart (~1.5 ms a step saved for SmolLM2's ~8,000 guards):
         nothing else they check (the model, dtypes, devices, the metadata's layout) changes
         after start, and dynamo raises rather than run a graph that does not fit."""
@@ -295,6 +297,9 @@ class ModelRunner:
                 torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(meta.decode_block_tables, 0)
         torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+        # The cache's block count follows the memory budget; symbolic, one compiled graph (and
+        # one disk-cache entry) serves every budget.
+        torch._dynamo.mark_dynamic(meta.cache.data, 3)
         self.compiled_steps += 1
         if one not in self.compiled_shape_classes:
             out = self.compiled(**inputs)
