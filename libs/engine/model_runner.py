@@ -145,14 +145,14 @@ class ModelRunner:
         self.compiled: Any = None
         self.compiled_shape_classes: set[bool] = set()  # batch == 1 for each graph run
         self.compiled_steps = 0
-        if settings.compile and self.kernels is not None:
+        if settings.compile and self.kernels is not None and self.num_blocks >= 4:
             self.compiled = torch.compile(model, options={"cpp_wrapper": True})
             log.info("engine.compile: compiling the decode forward (cached on disk after)...")
             t0 = time.perf_counter()
             self.warm_up()
             log.info("engine.compile: decode graphs ready in %.1f s", time.perf_counter() - t0)
         elif settings.compile:
-            log.warning("engine.compile needs the CPU kernels; running eager")
+            log.warning("engine.compile needs the CPU kernels and 4 KV blocks; running eager")
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -259,13 +259,12 @@ class ModelRunner:
         """Compile both decode graphs before serving, so no request waits for the compiler.
         Called by :meth:`__init__` when ``engine.compile`` is on. Writes junk K/V into blocks
         0-2, which no sequence holds yet (a block's slots are written before they are read)."""
-        if self.compiled is None or self.num_blocks < 4:
-            # (the block count must differ from the traced batch and table widths, or dynamo
-            # would assume them equal)
+        if self.compiled is None:
             return
         bs = self.block_size
-        # One sequence over two blocks; two sequences over three (sizes traced must differ,
-        # or dynamo assumes they are always equal).
+        # One sequence over two blocks; two sequences over three. Symbolic sizes traced with
+        # equal values are assumed always equal, so batch, table width and the block count
+        # (>= 4, see __init__) must all differ here.
         for batch, blocks in ((1, 2), (2, 3)):
             ctx = (blocks - 1) * bs + 1
             self._forward(
@@ -284,10 +283,11 @@ class ModelRunner:
 
         Only the sizes that vary are symbolic (the batch, except in the one-sequence graph,
         the block-table width, at least two, see :meth:`_forward`, and the cache's block
-        count); the weights and the rest of the cache's shape are static. Once a graph has run with every guard checked, later calls check only the
-        guards that tell the two apart (~1.5 ms a step saved for SmolLM2's ~8,000 guards):
-        nothing else they check (the model, dtypes, devices, the metadata's layout) changes
-        after start, and dynamo raises rather than run a graph that does not fit."""
+        count); the weights and the rest of the cache's shape are static. Once a graph has
+        run with every guard checked, later calls check only the guards that tell the two
+        apart (~1.5 ms a step saved for SmolLM2's ~8,000 guards): nothing else they check
+        (the model, dtypes, devices, the metadata's layout) changes after start, and dynamo
+        raises rather than run a graph that does not fit."""
         assert meta.decode_block_tables is not None
         one = meta.decode_block_tables.shape[0] == 1
         if not one:
