@@ -6,9 +6,13 @@ to every attention layer. Per layer the function
 
 1. writes the step's new K/V (RoPE already applied) into their slots of the paged cache, then
 2. attends each sequence's queries over that sequence's blocks:
-   - decode tokens (one query each) in one batched SDPA over a padded gather of their blocks,
+   - decode tokens (one query each) in one call of the CPU kernel over their block tables
+     (with torch's kernels: one batched SDPA over a padded gather of their blocks),
    - prefill chunks one SDPA each, with a causal mask aligned to the bottom right
      (query ``i`` of a chunk starting at position ``s`` sees keys ``0..s+i``).
+
+A step of decode tokens only, with the CPU kernels, does both in one ``paged_decode`` call per
+layer (the op ``engine.compile`` keeps opaque).
 
 GQA without copying K/V: query head ``h`` uses KV head ``h // G`` (``G`` = groups), so the
 ``G`` query heads of a KV head are folded into the query-length axis: ``[Hkv, G*n, D]`` against
