@@ -52,11 +52,19 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
 }
 
 // y[r, 0:cols] = x[r, :] . panel  for r < R (R rows of x, row stride ldx), one panel.
-template <int R>
+// With PF, tile `tile` of `tiles` (> 1) also requests lines tile, tile + tiles, ... of the next
+// panel `next` (one 64-byte line per k row), one every `tiles` iterations: spread over all the
+// tiles of a panel, the next panel's DRAM reads overlap this panel's FMAs instead of stalling
+// the first tile that touches it. A single tile (M <= 6) is bound by the weight stream anyway.
+template <int R, bool PF>
 inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
-                       int64_t ldy, int64_t cols, const float* bias) {
+                       int64_t ldy, int64_t cols, const float* bias, const float* next,
+                       int64_t tile, int64_t tiles) {
   float tmp[kNR];
 #if STRAIT_AVX2
+  const float* pf = PF ? next + tile * kNR : nullptr;
+  const float* pf_end = PF ? next + k * kNR : nullptr;
+  int64_t countdown = 1;
   // Named accumulators, not an array: GCC spills an accumulator array to the stack every
   // iteration, which caps the tile at a third of the FMA rate.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -68,6 +76,13 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
   const float* x4 = x + 4 * ldx;
   const float* x5 = x + 5 * ldx;
   for (int64_t i = 0; i < k; ++i) {
+    if constexpr (PF) {
+      if (--countdown == 0) {
+        countdown = tiles;
+        if (pf < pf_end) __builtin_prefetch(pf, 0, 3);
+        pf += tiles * kNR;
+      }
+    }
     const __m256 w0 = _mm256_loadu_ps(panel + i * kNR);
     const __m256 w1 = _mm256_loadu_ps(panel + i * kNR + 8);
     __m256 xv = _mm256_broadcast_ss(x0 + i);
@@ -118,17 +133,23 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
 #endif
 }
 
+// All `rows` rows of x against one panel, six rows a tile; with PF, `next` is the panel to
+// prefetch (see panel_tile).
+template <bool PF>
 inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t k,
-                       float* y, int64_t ldy, int64_t cols, const float* bias) {
-  int64_t r = 0;
-  for (; r + kMR <= rows; r += kMR)
-    panel_tile<kMR>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias);
+                       float* y, int64_t ldy, int64_t cols, const float* bias, const float* next) {
+  const int64_t tiles = (rows + kMR - 1) / kMR;
+  int64_t r = 0, t = 0;
+  for (; r + kMR <= rows; r += kMR, ++t)
+    panel_tile<kMR, PF>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias, next, t, tiles);
+  const float* xr = x + r * ldx;
+  float* yr = y + r * ldy;
   switch (rows - r) {
-    case 5: panel_tile<5>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
-    case 4: panel_tile<4>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
-    case 3: panel_tile<3>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
-    case 2: panel_tile<2>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
-    case 1: panel_tile<1>(x + r * ldx, ldx, panel, k, y + r * ldy, ldy, cols, bias); break;
+    case 5: panel_tile<5, PF>(xr, ldx, panel, k, yr, ldy, cols, bias, next, t, tiles); break;
+    case 4: panel_tile<4, PF>(xr, ldx, panel, k, yr, ldy, cols, bias, next, t, tiles); break;
+    case 3: panel_tile<3, PF>(xr, ldx, panel, k, yr, ldy, cols, bias, next, t, tiles); break;
+    case 2: panel_tile<2, PF>(xr, ldx, panel, k, yr, ldy, cols, bias, next, t, tiles); break;
+    case 1: panel_tile<1, PF>(xr, ldx, panel, k, yr, ldy, cols, bias, next, t, tiles); break;
     default: break;
   }
 }
@@ -155,7 +176,12 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min(kNR, n - p * kNR);
-      panel_rows(xp, k, m, wp + p * k * kNR, k, yp + p * kNR, n, cols, bp ? bp + p * kNR : nullptr);
+      const float* panel = wp + p * k * kNR;
+      const float* pb = bp ? bp + p * kNR : nullptr;
+      if (m > kMR && p + 1 < p1)
+        panel_rows<true>(xp, k, m, panel, k, yp + p * kNR, n, cols, pb, panel + k * kNR);
+      else
+        panel_rows<false>(xp, k, m, panel, k, yp + p * kNR, n, cols, pb, nullptr);
     }
   });
   return out;
