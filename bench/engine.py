@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="engine.compile on: torch.compile the decode forward (compiled during warm-up)",
+        help="engine.compile on: torch.compile the forward (compiled while the engine is built)",
     )
     p.add_argument(
         "--profile",
@@ -266,15 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         engine_settings.kv_cache_bytes = 2 * per_block * (need // engine_settings.block_size + 1)
     report.settings = engine_settings.model_dump()
     engine_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if engine_settings.compile:  # the engine compiles its graphs while it is built
+        print("compiling the forward (~5 min; cached on disk for later runs)...", flush=True)
     engine = LLMEngine(engine_model, tokenizer, engine_settings, args.model)
     report.settings["cpu_kernels_in_use"] = engine.runner.kernels is not None
     compiled = " + torch.compile" if engine.runner.compiled is not None else ""
     print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}{compiled}")
-    # Warm both paths up (first calls allocate and pick kernels; with --compile, one graph for
-    # a single sequence and one for several) with prompts not reused later.
+    # Warm both sides up (first calls allocate and pick kernels) with prompts not reused later.
     warm = make_prompts(tokenizer, 3, args.prompt_tokens, tag="Warm-up. ")
-    if compiled:
-        print("compiling the decode forward (cached on disk for later runs)...", flush=True)
     run_engine(engine, warm[:1], 4)
     run_engine(engine, warm[1:], 4)
     run_static_batch(hf_model, tokenizer, warm, 4)

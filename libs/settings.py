@@ -182,13 +182,13 @@ class EngineSettings(BaseModel):
     prefill_chunk_tokens: int = 256
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: torch's default
-    # Strait's CPU kernels (packed-weight linears, paged decode attention; libs/engine/kernels)
+    # Strait's CPU kernels (packed-weight linears, paged attention; libs/engine/kernels)
     # for float32 models on the CPU: "auto" uses them when they build, "on" fails when they
     # cannot, "off" runs torch's kernels only.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
-    # torch.compile the decode-only forward (with the CPU kernels): fuses transformers' small ops
-    # and drops most per-op Python overhead; compiles at start (~5 min on 2 cores the first
-    # time, ~20 s from inductor's disk cache). Decision 0006.
+    # torch.compile the forward (with the CPU kernels): fuses transformers' small ops and drops
+    # most per-op Python overhead; compiles at start (~5 min on 2 cores the first time, ~20 s
+    # from inductor's disk cache). Decisions 0006, 0007.
     compile: bool = False
 
 

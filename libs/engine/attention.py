@@ -5,14 +5,16 @@ The model runner registers :func:`paged_attention` under :data:`ATTENTION_NAME` 
 to every attention layer. Per layer the function
 
 1. writes the step's new K/V (RoPE already applied) into their slots of the paged cache, then
-2. attends each sequence's queries over that sequence's blocks:
-   - decode tokens (one query each) in one call of the CPU kernel over their block tables
-     (with torch's kernels: one batched SDPA over a padded gather of their blocks),
-   - prefill chunks one SDPA each, with a causal mask aligned to the bottom right
-     (query ``i`` of a chunk starting at position ``s`` sees keys ``0..s+i``).
+2. attends each sequence's queries over that sequence's blocks.
 
-A step of decode tokens only, with the CPU kernels, does both in one ``paged_decode`` call per
-layer (the op ``engine.compile`` keeps opaque).
+With Strait's CPU kernels both are one ``paged_attention`` call per layer (the op
+``engine.compile`` keeps opaque): every token is one query row over its sequence's block table,
+seeing keys ``0..p`` for its position ``p``, so decode tokens and prefill chunks (causal,
+aligned to the bottom right) are the same case. With torch's kernels:
+
+- decode tokens (one query each) are one batched SDPA over a padded gather of their blocks,
+- prefill chunks one SDPA each, with a causal mask aligned to the bottom right
+  (query ``i`` of a chunk starting at position ``s`` sees keys ``0..s+i``).
 
 GQA without copying K/V: query head ``h`` uses KV head ``h // G`` (``G`` = groups), so the
 ``G`` query heads of a KV head are folded into the query-length axis: ``[Hkv, G*n, D]`` against
@@ -84,17 +86,15 @@ class AttentionMetadata:
     cache: KvCache
     slot_mapping: torch.Tensor  # [T] long: flat slot (block * block_size + offset) per token
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # Decode batch (one query token per sequence), B sequences padded to max_blocks blocks.
+    # With torch's kernels: the decode batch (one query token per sequence), B sequences
+    # padded to max_blocks blocks.
     decode_token_idx: torch.Tensor | None = None  # [B] long: packed positions
     decode_block_ids: torch.Tensor | None = None  # [B * max_blocks] long
     decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] bool
-    # With Strait's CPU kernels (libs/engine/kernels) instead of the padded gather + SDPA:
+    # With Strait's CPU kernels (libs/engine/kernels): every token is one query row.
     kernels: Any = None  # the compiled module, or None for torch's kernels
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, rows padded
-    decode_context_lens: torch.Tensor | None = None  # [B] long
-    # Every token is a decode token, in sequence order (kernels only): one fused op per layer,
-    # the graph ``engine.compile`` compiles.
-    decode_only: bool = False
+    block_tables: torch.Tensor | None = None  # [T, max_blocks] long: the token's sequence's
+    context_lens: torch.Tensor | None = None  # [T] long: position + 1 (keys the row sees)
 
 
 def paged_attention(
@@ -113,8 +113,8 @@ def paged_attention(
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs strait_attn metadata")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if meta.decode_only:
-        # [1, H, B, D] -> [B, H, D]; key, value [1, Hkv, B, D] -> [B, Hkv, D]
+    if meta.kernels is not None:
+        # [1, H, T, D] -> [T, H, D]; key, value [1, Hkv, T, D] -> [T, Hkv, D]
         args = (
             query[0].transpose(0, 1),
             key[0].transpose(0, 1),
@@ -122,15 +122,15 @@ def paged_attention(
             meta.cache.data,
             module.layer_idx,
             meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
+            meta.block_tables,
+            meta.context_lens,
             scale,
         )
         if torch.compiler.is_compiling():
-            od = torch.ops.strait.paged_decode(*args)
+            out = torch.ops.strait.paged_attention(*args)
         else:
-            od = meta.kernels.paged_decode(*args)
-        return od.unsqueeze(0), None
+            out = meta.kernels.paged_attention(*args)
+        return out.unsqueeze(0), None
 
     k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
     hkv, num_blocks, block_size, d = k_cache.shape
@@ -143,21 +143,8 @@ def paged_attention(
     q = query[0]  # [H, T, D]
     out = query.new_empty(t, h, d)  # [T, H, D]
 
-    # 2a. Decode tokens: the CPU kernel reads each sequence's blocks in place ...
-    if meta.decode_token_idx is not None and meta.kernels is not None:
-        # [H, B, D] -> [B, H, D]
-        qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)
-        od = meta.kernels.paged_decode_attention(
-            qd,
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-        )
-        out.index_copy_(0, meta.decode_token_idx, od)
-    # ... or torch's: one padded, batched SDPA.
-    elif meta.decode_token_idx is not None:
+    # 2a. Decode tokens: one padded, batched SDPA.
+    if meta.decode_token_idx is not None:
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
         b = meta.decode_token_idx.shape[0]
         # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]

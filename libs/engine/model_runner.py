@@ -141,18 +141,18 @@ class ModelRunner:
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged decode attention", n)
-        # The decode-only forward under torch.compile (engine.compile; needs the kernels' ops).
+        # The forward under torch.compile (engine.compile; needs the kernels' ops).
         self.compiled: Any = None
-        self.compiled_shape_classes: set[bool] = set()  # batch == 1 for each graph run
+        self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
-        if settings.compile and self.kernels is not None and self.num_blocks >= 4:
+        if settings.compile and self.kernels is not None and self.num_blocks >= 5:
             self.compiled = torch.compile(model, options={"cpp_wrapper": True})
-            log.info("engine.compile: compiling the decode forward (cached on disk after)...")
+            log.info("engine.compile: compiling the forward (cached on disk after)...")
             t0 = time.perf_counter()
             self.warm_up()
-            log.info("engine.compile: decode graphs ready in %.1f s", time.perf_counter() - t0)
+            log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
         elif settings.compile:
-            log.warning("engine.compile needs the CPU kernels and 4 KV blocks; running eager")
+            log.warning("engine.compile needs the CPU kernels and 5 KV blocks; running eager")
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -168,40 +168,21 @@ class ModelRunner:
         positions: list[int] = []  # [T] absolute position of each token in its sequence
         slots: list[int] = []  # [T] flat KV slot each token's K/V is written to
         keep: list[int] = []  # packed positions whose logits are sampled
-        prefills: list[PrefillSegment] = []
-        dec_idx: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        tables: list[list[int]] = []  # per entry: the blocks covering its context after the step
+        token_entry: list[int] = []  # [T] index into `tables` of each token's sequence
         bs = self.block_size
-        for item in batch:
+        for i, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            q_start = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            ctx_len = start + n
-            if n == 1:
-                dec_idx.append(q_start)
-                dec_tables.append(table[: -(-ctx_len // bs)])
-                dec_lens.append(ctx_len)
-            else:
-                prefills.append(
-                    PrefillSegment(
-                        q_start=q_start,
-                        q_len=n,
-                        ctx_len=ctx_len,
-                        block_ids=torch.tensor(table[: -(-ctx_len // bs)], device=self.device),
-                        mask=attention.causal_mask(start, n, ctx_len, self.groups).to(self.device),
-                    )
-                )
+            tables.append(table[: -(-(start + n) // bs)])
+            token_entry.extend([i] * n)
             if item.samples:
-                keep.append(q_start + n - 1)
-
-        return self._forward(
-            input_ids, positions, slots, keep, prefills, dec_idx, dec_tables, dec_lens
-        )
+                keep.append(len(input_ids) - 1)
+        return self._forward(input_ids, positions, slots, keep, tables, token_entry)
 
     def _forward(
         self,
@@ -209,37 +190,29 @@ class ModelRunner:
         positions: list[int],
         slots: list[int],
         keep: list[int],
-        prefills: list[PrefillSegment],
-        dec_idx: list[int],
-        dec_tables: list[list[int]],
-        dec_lens: list[int],
+        tables: list[list[int]],
+        token_entry: list[int],
     ) -> torch.Tensor:
         """One forward over packed tokens (see :meth:`execute`); returns logits ``[S, vocab]``."""
-        bs = self.block_size
         meta = AttentionMetadata(
-            cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, device=self.device),
-            prefills=prefills,
+            cache=self.kv_cache, slot_mapping=torch.tensor(slots, device=self.device)
         )
-        if dec_idx:
-            max_blocks = max(len(t) for t in dec_tables)
+        num_keep = len(keep)
+        if self.kernels is not None:
+            width = max(len(t) for t in tables)
             if self.compiled is not None:
-                # At least two columns: a table of one would be a third graph (dynamo
-                # specialises size 1); the kernel reads only each row's first blocks.
-                max_blocks = max(max_blocks, 2)
-            padded = [t + [t[-1]] * (max_blocks - len(t)) for t in dec_tables]
-            lens = torch.tensor(dec_lens)
-            meta.decode_token_idx = torch.tensor(dec_idx, device=self.device)
-        if dec_idx and self.kernels is not None:
+                # At least two table columns and, past one token, two sampled rows (repeats of
+                # the last, dropped below): dynamo specialises sizes 0 and 1, which would be
+                # more graphs. The kernel reads only each row's first blocks.
+                width = max(width, 2)
+                keep = keep + [len(input_ids) - 1] * (min(2, len(input_ids)) - len(keep))
+            padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
+            # Every token is one query row over its sequence's blocks: [T, width], [T].
             meta.kernels = self.kernels
-            meta.decode_only = not prefills
-            meta.decode_block_tables = torch.tensor(padded)  # [B, max_blocks]
-            meta.decode_context_lens = lens  # [B]
-        elif dec_idx:
-            meta.decode_block_ids = torch.tensor(padded, device=self.device).view(-1)
-            # [1, B, 1, L_max] True where the key position is inside the sequence.
-            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_mask = mask[None, :, None, :].to(self.device)
+            meta.block_tables = padded[token_entry] if len(token_entry) > len(tables) else padded
+            meta.context_lens = torch.tensor(positions) + 1
+        else:
+            self._torch_attention_metadata(meta, positions, tables, token_entry)
 
         inputs = {
             "input_ids": torch.tensor([input_ids], device=self.device),
@@ -248,55 +221,98 @@ class ModelRunner:
             "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device),
             "strait_attn": meta,
         }
-        if meta.decode_only and self.compiled is not None:
+        if self.compiled is not None:
             out = self._run_compiled(inputs, meta)
         else:
             out = self.model(**inputs)
-        return out.logits[0].float()  # [S, vocab]
+        return out.logits[0, :num_keep].float()  # [S, vocab]
+
+    def _torch_attention_metadata(
+        self,
+        meta: AttentionMetadata,
+        positions: list[int],
+        tables: list[list[int]],
+        token_entry: list[int],
+    ) -> None:
+        """Fill ``meta`` for torch's kernels (no CPU kernels): sequences with one token form
+        the padded decode batch, longer runs are prefill segments with their own masks."""
+        bs = self.block_size
+        runs: list[tuple[int, int]] = []  # (first packed position, tokens) per entry
+        for t, e in enumerate(token_entry):
+            if e == len(runs):
+                runs.append((t, 0))
+            runs[e] = (runs[e][0], runs[e][1] + 1)
+        dec_idx, dec_tables, dec_lens = [], [], []
+        for (q_start, n), table in zip(runs, tables, strict=True):
+            ctx_len = positions[q_start] + n
+            if n == 1:
+                dec_idx.append(q_start)
+                dec_tables.append(table)
+                dec_lens.append(ctx_len)
+                continue
+            meta.prefills.append(
+                PrefillSegment(
+                    q_start=q_start,
+                    q_len=n,
+                    ctx_len=ctx_len,
+                    block_ids=torch.tensor(table, device=self.device),
+                    mask=attention.causal_mask(ctx_len - n, n, ctx_len, self.groups).to(
+                        self.device
+                    ),
+                )
+            )
+        if dec_idx:
+            max_blocks = max(len(t) for t in dec_tables)
+            padded = [t + [t[-1]] * (max_blocks - len(t)) for t in dec_tables]
+            lens = torch.tensor(dec_lens)
+            meta.decode_token_idx = torch.tensor(dec_idx, device=self.device)
+            meta.decode_block_ids = torch.tensor(padded, device=self.device).view(-1)
+            # [1, B, 1, L_max] True where the key position is inside the sequence.
+            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_mask = mask[None, :, None, :].to(self.device)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile both decode graphs before serving, so no request waits for the compiler.
-        Called by :meth:`__init__` when ``engine.compile`` is on. Writes junk K/V into blocks
-        0-2, which no sequence holds yet (a block's slots are written before they are read)."""
+        """Compile both graphs before serving, so no request waits for the compiler. Called
+        by :meth:`__init__` when ``engine.compile`` is on. Writes junk K/V into blocks 0-2,
+        which no sequence holds yet (a block's slots are written before they are read)."""
         if self.compiled is None:
             return
         bs = self.block_size
-        # One sequence over two blocks; two sequences over three. Symbolic sizes traced with
-        # equal values are assumed always equal, so batch, table width and the block count
-        # (>= 4, see __init__) must all differ here.
-        for batch, blocks in ((1, 2), (2, 3)):
-            ctx = (blocks - 1) * bs + 1
-            self._forward(
-                input_ids=[0] * batch,
-                positions=[ctx - 1] * batch,
-                slots=[(blocks - 1) * bs] * batch,
-                keep=list(range(batch)),
-                prefills=[],
-                dec_idx=list(range(batch)),
-                dec_tables=[list(range(blocks))] * batch,
-                dec_lens=[ctx] * batch,
-            )
+        # One token over two blocks; then four tokens (a 3-token chunk and a decode token)
+        # over three, two of them sampled. Symbolic sizes traced with equal values are assumed
+        # always equal, so tokens (4), sampled rows (2), table width (3) and the cache's block
+        # count (>= 5, see __init__) must all differ here.
+        self._forward([0], [bs], [bs], [0], [[0, 1]], [0])
+        ctx = 2 * bs + 1
+        self._forward(
+            input_ids=[0] * 4,
+            positions=[ctx - 3, ctx - 2, ctx - 1, ctx - 1],
+            slots=[ctx - 3, ctx - 2, ctx - 1, ctx - 1],
+            keep=[2, 3],
+            tables=[[0, 1, 2], [0, 1, 2]],
+            token_entry=[0, 0, 0, 1],
+        )
 
     def _run_compiled(self, inputs: dict[str, Any], meta: AttentionMetadata) -> Any:
-        """The compiled decode forward, over two graphs: one sequence, several.
+        """The compiled forward, over two graphs: one token, several.
 
-        Only the sizes that vary are symbolic (the batch, except in the one-sequence graph,
-        the block-table width, at least two, see :meth:`_forward`, and the cache's block
-        count); the weights and the rest of the cache's shape are static. Once a graph has
-        run with every guard checked, later calls check only the guards that tell the two
-        apart (~1.5 ms a step saved for SmolLM2's ~8,000 guards): nothing else they check
-        (the model, dtypes, devices, the metadata's layout) changes after start, and dynamo
-        raises rather than run a graph that does not fit."""
-        assert meta.decode_block_tables is not None
-        one = meta.decode_block_tables.shape[0] == 1
+        Only the sizes that vary are symbolic (tokens and sampled rows, except in the
+        one-token graph, the block-table width, at least two, see :meth:`_forward`, and the
+        cache's block count); the weights and the rest of the cache's shape are static. Once
+        a graph has run with every guard checked, later calls check only the guards that tell
+        the two apart (~1.5 ms a step saved for SmolLM2's ~8,000 guards): nothing else they
+        check (the model, dtypes, devices, the metadata's layout) changes after start, and
+        dynamo raises rather than run a graph that does not fit."""
+        assert meta.block_tables is not None and meta.context_lens is not None
+        one = meta.block_tables.shape[0] == 1
         if not one:
             for t in (inputs["input_ids"], inputs["position_ids"]):
                 torch._dynamo.mark_dynamic(t, 1)
-            for t in (inputs["logits_to_keep"], meta.slot_mapping, meta.decode_context_lens):
+            for t in (inputs["logits_to_keep"], meta.slot_mapping, meta.context_lens):
                 torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(meta.decode_block_tables, 0)
-        torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+            torch._dynamo.mark_dynamic(meta.block_tables, 0)
+        torch._dynamo.mark_dynamic(meta.block_tables, 1)
         # The cache's block count follows the memory budget; symbolic, one compiled graph (and
         # one disk-cache entry) serves every budget.
         torch._dynamo.mark_dynamic(meta.cache.data, 3)

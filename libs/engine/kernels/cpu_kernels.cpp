@@ -187,7 +187,7 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   return out;
 }
 
-// ------------------------------------------------------------------ paged decode attention
+// ------------------------------------------------------------------ paged attention
 
 #if STRAIT_AVX2
 inline float hsum(__m256 v) {
@@ -336,14 +336,16 @@ inline void weighted_values(const float* p, int64_t len, const float* v_head, co
   }
 }
 
-// q [B, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D] (last three dims contiguous);
-// block_tables [B, max_blocks] int64 (rows padded past each sequence's blocks);
-// context_lens [B] int64 -> out [B, H, D]. Query head h reads KV head h / (H / Hkv).
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32, "q must be [B, H, D]");
+// One query row per token, each over the first context_lens[r] keys of its own block table: a
+// decode token sees its whole sequence, token i of a prefill chunk starting at position s the
+// keys 0..s+i (causal). q [T, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D] (last
+// three dims contiguous); block_tables [T, max_blocks] int64 (the row's sequence's blocks,
+// padded past them); context_lens [T] int64 -> out [T, H, D]. Query head h reads KV head
+// h / (H / Hkv). A row's result does not depend on the other rows.
+torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                  const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32, "bad k_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must match");
@@ -355,9 +357,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const auto q = query.contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t rows = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(0), bs = k_cache.size(2), max_blocks = tables.size(1);
   TORCH_CHECK(k_cache.size(3) == d && h % hkv == 0, "head shapes do not match");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lens.numel() == rows,
+              "block_tables must be [T, max_blocks] and context_lens [T]");
   const int64_t groups = h / hkv, head_stride = k_cache.stride(0);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -368,16 +372,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, b * hkv, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, rows * hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t seq = i / hkv, kh = i % hkv, len = lp[seq];
+      const int64_t row = i / hkv, kh = i % hkv, len = lp[row];
       TORCH_CHECK(len > 0 && len <= max_blocks * bs, "context length outside the block table");
       scores.resize(groups * len);
-      const int64_t* table = tp + seq * max_blocks;
+      const int64_t* table = tp + row * max_blocks;
       const float* kh_base = kp + kh * head_stride;
       const float* vh_base = vp + kh * head_stride;
-      const float* q0 = qp + (seq * h + kh * groups) * d;
+      const float* q0 = qp + (row * h + kh * groups) * d;
       // scores[g, j] = q_g . k_j * scale, block by block (no division per key), requesting
       // the next key block and this block's values ahead of use.
       for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {
@@ -402,21 +406,22 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * len;
         const float inv = 1.f / softmax_numerators(s, len);
-        weighted_values(s, len, vh_base, table, bs, d, inv, op + (seq * h + kh * groups + g) * d);
+        weighted_values(s, len, vh_base, table, bs, d, inv, op + (row * h + kh * groups + g) * d);
       }
     }
   });
   return out;
 }
 
-// One decode token per sequence, in one call per layer: write its K/V into the paged cache,
-// then attend. query [B, H, D]; key, value [B, Hkv, D]; kv the whole cache
-// [layers, 2, Hkv, num_blocks, block_size, D] (written at `layer`); slot_mapping [B] int64
-// (flat slot = block * block_size + offset) -> out [B, H, D].
-torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& key,
-                           const torch::Tensor& value, torch::Tensor& kv, int64_t layer,
-                           const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                           const torch::Tensor& context_lens, double scale) {
+// A whole step's attention for one layer, in one call: write every token's K/V into the paged
+// cache, then attend each token's query row (paged_row_attention; all writes come first, and a
+// row sees only positions up to its own). query [T, H, D]; key, value [T, Hkv, D]; kv the whole
+// cache [layers, 2, Hkv, num_blocks, block_size, D] (written at `layer`); slot_mapping [T]
+// int64 (flat slot = block * block_size + offset) -> out [T, H, D].
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, torch::Tensor& kv, int64_t layer,
+                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                              const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == torch::kFloat32,
               "kv must be a contiguous float32 [layers, 2, Hkv, blocks, block_size, D]");
   TORCH_CHECK(layer >= 0 && layer < kv.size(0), "layer out of range");
@@ -424,9 +429,9 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& key,
   TORCH_CHECK(key.dim() == 3 && key.size(1) == hkv && key.size(2) == d &&
                   key.sizes() == value.sizes() && key.scalar_type() == torch::kFloat32 &&
                   value.scalar_type() == torch::kFloat32,
-              "key and value must be float32 [B, Hkv, D]");
+              "key and value must be float32 [T, Hkv, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == key.size(0),
-              "slot_mapping must be int64 [B]");
+              "slot_mapping must be int64 [T]");
   auto k_cache = kv.select(0, layer).select(0, 0);  // [Hkv, blocks, block_size, D]
   auto v_cache = kv.select(0, layer).select(0, 1);
   const auto k = key.contiguous(), v = value.contiguous();
@@ -444,7 +449,7 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& key,
       std::copy(vp + src, vp + src + d, vc + dst);
     }
   }
-  return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale);
+  return paged_row_attention(query, k_cache, v_cache, block_tables, context_lens, scale);
 }
 
 }  // namespace
@@ -454,20 +459,21 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& key,
 TORCH_LIBRARY(strait, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def(
-      "paged_decode(Tensor query, Tensor key, Tensor value, Tensor(a!) kv, int layer, "
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv, int layer, "
       "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(strait, CPU, m) {
   m.impl("packed_linear", &packed_linear);
-  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_attention", &paged_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "w [N, K] -> packed [ceil(N/16), K, 16]");
   m.def("packed_linear", &packed_linear, "x [M, K] . packed weight (+ bias) -> [M, N]");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "one query token per sequence over its KV blocks");
-  m.def("paged_decode", &paged_decode, "write one decode token's K/V per sequence, then attend");
+  m.def("paged_row_attention", &paged_row_attention,
+        "one query row per token over its sequence's KV blocks");
+  m.def("paged_attention", &paged_attention,
+        "write every token's K/V, then attend (one query row per token)");
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
 }

@@ -1,11 +1,11 @@
 """Shape functions of Strait's CPU kernels as dispatcher ops (``torch.ops.strait.*``).
 
-``cpu_kernels.cpp`` registers ``strait::packed_linear`` and ``strait::paged_decode`` with
+``cpu_kernels.cpp`` registers ``strait::packed_linear`` and ``strait::paged_attention`` with
 torch's dispatcher (``TORCH_LIBRARY``) beside its pybind11 functions. ``torch.compile`` cannot
 trace into C++; with the "fake" kernels below it knows each op's output shape and keeps the op
 as an opaque node, fusing only transformers' small ops around it. :func:`register_fakes` runs
 once, right after :func:`libs.engine.kernels.build` loads the library. The model runner compiles
-its decode-only forward when ``engine.compile`` is on (decision 0006).
+its forward when ``engine.compile`` is on (decision 0006).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [M, K] -> [M, n]
 
-    @torch.library.register_fake("strait::paged_decode")  # type: ignore[misc]
-    def _paged_decode(
+    @torch.library.register_fake("strait::paged_attention")  # type: ignore[misc]
+    def _paged_attention(
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -39,6 +39,6 @@ def register_fakes() -> None:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        return torch.empty_like(query, memory_format=torch.contiguous_format)  # [B, H, D]
+        return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
     _done = True

@@ -73,7 +73,7 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 2, 16, 4), (8, 8, 128, 8), (6, 2, 12, 4)]
 )
-def test_paged_decode_attention_matches_reference(k, h: int, hkv: int, d: int, bs: int) -> None:
+def test_paged_row_attention_matches_reference(k, h: int, hkv: int, d: int, bs: int) -> None:
     torch.manual_seed(d + bs)
     num_blocks, lens = 64, torch.tensor([1, bs, bs + 1, 3 * bs - 1, 7 * bs + 5])
     max_blocks = int(-(-lens.max() // bs))
@@ -82,18 +82,18 @@ def test_paged_decode_attention_matches_reference(k, h: int, hkv: int, d: int, b
     # Scattered, distinct blocks; rows padded past each sequence's blocks with its last block.
     perm = torch.randperm(num_blocks)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     q = torch.randn(len(lens), h, d) * 3  # peaked softmax: exercises the max subtraction
-    out = k.paged_decode_attention(q, k_cache, v_cache, perm, lens, d**-0.5)
+    out = k.paged_row_attention(q, k_cache, v_cache, perm, lens, d**-0.5)
     ref = reference_decode(q, k_cache, v_cache, perm, lens, d**-0.5)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_attention_reads_a_layer_view_of_the_cache(k) -> None:
+def test_paged_row_attention_reads_a_layer_view_of_the_cache(k) -> None:
     """The runner passes views of one [layers, 2, Hkv, blocks, bs, D] tensor."""
     torch.manual_seed(1)
     data = torch.randn(2, 2, 2, 10, 4, 16)
     tables, lens = torch.tensor([[3, 7, 1]]), torch.tensor([10])
     q = torch.randn(1, 4, 16)
-    out = k.paged_decode_attention(q, data[1, 0], data[1, 1], tables, lens, 0.25)
+    out = k.paged_row_attention(q, data[1, 0], data[1, 1], tables, lens, 0.25)
     ref = reference_decode(q, data[1, 0], data[1, 1], tables, lens, 0.25)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -110,10 +110,10 @@ def paged_decode_case() -> tuple:
 
 
 @pytest.mark.parametrize("via", ["dispatcher", "pybind"])
-def test_paged_decode_writes_the_new_tokens_then_attends(k, via: str) -> None:
+def test_paged_attention_writes_the_new_tokens_then_attends(k, via: str) -> None:
     q, key, value, kv, layer, slots, tables, lens, scale = paged_decode_case()
     before = kv.clone()
-    op = torch.ops.strait.paged_decode if via == "dispatcher" else k.paged_decode
+    op = torch.ops.strait.paged_attention if via == "dispatcher" else k.paged_attention
     out = op(q, key, value, kv, layer, slots, tables, lens, scale)
     expected = before.clone()
     flat = expected[layer].view(2, 2, 12 * 4, 16)  # [k/v, Hkv, slots, D]
@@ -124,10 +124,51 @@ def test_paged_decode_writes_the_new_tokens_then_attends(k, via: str) -> None:
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_rejects_a_slot_outside_the_cache(k) -> None:
+def chunk_and_decode_case() -> tuple:
+    """One step of a prefill chunk and a decode token: sequence A has 5 tokens cached (blocks
+    7, 3) and adds positions 5..8 (into blocks 3 and 10); sequence B decodes position 2."""
+    torch.manual_seed(3)
+    kv = torch.randn(2, 2, 2, 12, 4, 16)  # [layers, 2, Hkv, blocks, block_size, D]
+    q, key, value = torch.randn(5, 6, 16) * 3, torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    tables = torch.tensor([[7, 3, 10]] * 4 + [[1, 1, 1]])  # one row per token, B's padded
+    lens = torch.tensor([6, 7, 8, 9, 3])  # position + 1: each row sees keys 0..position
+    slots = torch.tensor([3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 10 * 4 + 0, 1 * 4 + 2])
+    return q, key, value, kv, 0, slots, tables, lens, 0.25
+
+
+def test_paged_attention_runs_a_prefill_chunk_causally_beside_a_decode_token(k) -> None:
+    q, key, value, kv, layer, slots, tables, lens, scale = chunk_and_decode_case()
+    out = torch.ops.strait.paged_attention(q, key, value, kv, layer, slots, tables, lens, scale)
+    # Chunk token i sees the cached tokens and chunk tokens 0..i, not the ones after it.
+    keys = kv[layer, 0][:, [7, 3, 10]].reshape(2, 12, 16)[:, :9].double()
+    vals = kv[layer, 1][:, [7, 3, 10]].reshape(2, 12, 16)[:, :9].double()
+    # [T, Hkv, G, D] -> [Hkv, G * T, D]: row g * 4 + i is chunk token i of group member g
+    qa = q[:4].double().view(4, 2, 3, 16).permute(1, 2, 0, 3).reshape(2, 12, 16)
+    causal = torch.arange(9) <= torch.arange(5, 9).repeat(3).unsqueeze(1)  # [G * 4, 9]
+    ref = F.scaled_dot_product_attention(qa, keys, vals, attn_mask=causal, scale=scale)
+    ref = ref.view(2, 3, 4, 16).permute(2, 0, 1, 3).reshape(4, 6, 16)
+    torch.testing.assert_close(out[:4].double(), ref, rtol=1e-5, atol=1e-5)
+    ref_b = reference_decode(q[4:], kv[layer, 0], kv[layer, 1], tables[4:], lens[4:], scale)
+    torch.testing.assert_close(out[4:].double(), ref_b, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_row_attention_rows_do_not_depend_on_the_step(k) -> None:
+    """A row's result is bit-identical alone or beside any other rows (batch invariance)."""
+    q, key, value, kv, layer, slots, tables, lens, scale = chunk_and_decode_case()
+    torch.ops.strait.paged_attention(q, key, value, kv, layer, slots, tables, lens, scale)
+    kc, vc = kv[layer, 0], kv[layer, 1]
+    full = k.paged_row_attention(q, kc, vc, tables, lens, scale)
+    for i in range(5):
+        alone = k.paged_row_attention(
+            q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], scale
+        )
+        assert torch.equal(alone, full[i : i + 1])
+
+
+def test_paged_attention_rejects_a_slot_outside_the_cache(k) -> None:
     q, key, value, kv, layer, _slots, tables, lens, scale = paged_decode_case()
     with pytest.raises(RuntimeError, match="slot outside the cache"):
-        torch.ops.strait.paged_decode(
+        torch.ops.strait.paged_attention(
             q, key, value, kv, layer, torch.tensor([0, 12 * 4]), tables, lens, scale
         )
 
@@ -137,7 +178,8 @@ def test_dispatcher_ops_have_consistent_schemas_and_shape_functions(k) -> None:
     the real kernels (torch.library.opcheck)."""
     x, w = torch.randn(5, 24), torch.randn(40, 24)
     torch.library.opcheck(torch.ops.strait.packed_linear.default, (x, k.pack_weight(w), 40, None))
-    torch.library.opcheck(torch.ops.strait.paged_decode.default, paged_decode_case())
+    torch.library.opcheck(torch.ops.strait.paged_attention.default, paged_decode_case())
+    torch.library.opcheck(torch.ops.strait.paged_attention.default, chunk_and_decode_case())
 
 
 def test_pack_linears_keeps_a_tied_head_and_the_outputs() -> None:
