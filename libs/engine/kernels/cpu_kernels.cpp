@@ -154,6 +154,36 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* p
   }
 }
 
+#if STRAIT_AVX2
+// One row of x (M = 1) against four panels at once: four weight streams per core instead of
+// one. A single row is bound by the weight stream, and one sequential stream per core left
+// DRAM idle between requests (all SmolLM2 linears at M = 1: 23-28 ms -> 17-20 ms in
+// interleaved A/B, up to ~32 GB/s). Each output is the same FMA chain as in panel_tile.
+inline void row_four_panels(const float* x, const float* const* w, int64_t k, float* const* y,
+                            const int64_t* cols, const float* const* bias) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+  const float *pa = w[0], *pb = w[1], *pc = w[2], *pd = w[3];
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 xv = _mm256_broadcast_ss(x + i);
+    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pa + i * kNR), a0);
+    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pa + i * kNR + 8), a1);
+    b0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pb + i * kNR), b0);
+    b1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pb + i * kNR + 8), b1);
+    c0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pc + i * kNR), c0);
+    c1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pc + i * kNR + 8), c1);
+    d0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pd + i * kNR), d0);
+    d1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pd + i * kNR + 8), d1);
+  }
+  const __m256 acc[8] = {a0, a1, b0, b1, c0, c1, d0, d1};
+  for (int s = 0; s < 4; ++s) {
+    float tmp[kNR];
+    _mm256_storeu_ps(tmp, acc[2 * s]);
+    _mm256_storeu_ps(tmp + 8, acc[2 * s + 1]);
+    for (int64_t j = 0; j < cols[s]; ++j) y[s][j] = bias[s] ? tmp[j] + bias[s][j] : tmp[j];
+  }
+}
+#endif
+
 // x [M, K] . packed [P, K, 16] (+ bias [N]) -> [M, N]
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias) {
@@ -174,7 +204,28 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
     bp = b.data_ptr<float>();
   }
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
+    int64_t p = p0;
+#if STRAIT_AVX2
+    if (m == 1) {  // the thread's panels in four quarters, read side by side
+      const int64_t part = (p1 - p0) / 4;
+      for (int64_t q = 0; q < part; ++q) {
+        const float* w[4];
+        float* y[4];
+        int64_t cols[4];
+        const float* b4[4];
+        for (int s = 0; s < 4; ++s) {
+          const int64_t ps = p0 + s * part + q;
+          w[s] = wp + ps * k * kNR;
+          y[s] = yp + ps * kNR;
+          cols[s] = std::min(kNR, n - ps * kNR);
+          b4[s] = bp ? bp + ps * kNR : nullptr;
+        }
+        row_four_panels(xp, w, k, y, cols, b4);
+      }
+      p = p0 + 4 * part;
+    }
+#endif
+    for (; p < p1; ++p) {
       const int64_t cols = std::min(kNR, n - p * kNR);
       const float* panel = wp + p * k * kNR;
       const float* pb = bp ? bp + p * kNR : nullptr;

@@ -22,7 +22,7 @@ def k() -> object:
 
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 100])
 @pytest.mark.parametrize(
-    ("n", "kdim", "bias"), [(64, 48, False), (50, 37, True), (192, 576, False)]
+    ("n", "kdim", "bias"), [(64, 48, False), (50, 37, True), (192, 576, False), (117, 40, True)]
 )
 def test_packed_linear_matches_linear(k, m: int, n: int, kdim: int, bias: bool) -> None:
     torch.manual_seed(m * 1000 + n)
@@ -34,16 +34,19 @@ def test_packed_linear_matches_linear(k, m: int, n: int, kdim: int, bias: bool) 
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * kdim**0.5)
 
 
-def test_packed_linear_rows_do_not_depend_on_the_batch(k) -> None:
-    """Every output is one FMA chain over k: a row's result is bit-identical alone or in any
-    batch, at any position (rows fall in different micro-tiles)."""
+@pytest.mark.parametrize(("n", "kdim", "bias"), [(100, 576, False), (117, 40, True)])
+def test_packed_linear_rows_do_not_depend_on_the_batch(k, n: int, kdim: int, bias: bool) -> None:
+    """Every output is one FMA chain over k: a row's result is bit-identical alone (the
+    four-panel single-row path) or in any batch, at any position (rows fall in different
+    micro-tiles)."""
     torch.manual_seed(0)
-    w, x = torch.randn(100, 576), torch.randn(23, 576)
+    w, x = torch.randn(n, kdim), torch.randn(23, kdim)
+    b = torch.randn(n) if bias else None
     packed = k.pack_weight(w)
-    batch = k.packed_linear(x, packed, 100, None)
+    batch = k.packed_linear(x, packed, n, b)
     for i in (0, 5, 6, 22):
-        assert torch.equal(k.packed_linear(x[i : i + 1], packed, 100, None)[0], batch[i])
-    assert torch.equal(k.packed_linear(x[3:20], packed, 100, None), batch[3:20])
+        assert torch.equal(k.packed_linear(x[i : i + 1], packed, n, b)[0], batch[i])
+    assert torch.equal(k.packed_linear(x[3:20], packed, n, b), batch[3:20])
 
 
 def test_packed_linear_rejects_mismatched_shapes(k) -> None:
