@@ -140,7 +140,7 @@ class ModelRunner:
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
-            log.info("CPU kernels: %d linear layers packed, paged decode attention", n)
+            log.info("CPU kernels: %d linear layers packed, paged attention", n)
         # The forward under torch.compile (engine.compile; needs the kernels' ops).
         self.compiled: Any = None
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
