@@ -1,7 +1,8 @@
-// Strait's CPU kernels: a small-M linear over pre-packed weights and paged decode attention.
+// Strait's CPU kernels: a linear over pre-packed weights and paged attention (one query row per
+// token, decode tokens and prefill chunks alike).
 //
 // Loaded (compiled on first use) by libs/engine/kernels/__init__.py; called by
-// libs/engine/kernels/linear.py (PackedLinear) and libs/engine/attention.py (decode tokens).
+// libs/engine/kernels/linear.py (PackedLinear) and libs/engine/attention.py (every token).
 // fp32 only; AVX2 + FMA paths with a plain C++ fallback for other CPUs.
 //
 // Numerics: every output of `packed_linear` is one sequential fused-multiply-add chain over k
