@@ -13,6 +13,7 @@ Owned by the engine; called once per step with the scheduler's output. It
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -60,6 +61,12 @@ class ModelShape:
             vocab_size=c.vocab_size,
             max_position_embeddings=getattr(c, "max_position_embeddings", 0) or 0,
         )
+
+
+def pad_tables(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Block tables padded to ``width`` columns with each row's last block (the kernels and
+    the decode mask never read a row past its own blocks)."""
+    return [t + [t[-1]] * (width - len(t)) for t in tables]
 
 
 def load_model(model_path: str | Path, settings: EngineSettings) -> torch.nn.Module:
@@ -206,7 +213,7 @@ class ModelRunner:
                 # more graphs. The kernel reads only each row's first blocks.
                 width = max(width, 2)
                 keep = keep + [len(input_ids) - 1] * (min(2, len(input_ids)) - len(keep))
-            padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
+            padded = torch.tensor(pad_tables(tables, width))
             # Every token is one query row over its sequence's blocks: [T, width], [T].
             meta.kernels = self.kernels
             meta.block_tables = padded[token_entry] if len(token_entry) > len(tables) else padded
@@ -237,33 +244,31 @@ class ModelRunner:
         """Fill ``meta`` for torch's kernels (no CPU kernels): sequences with one token form
         the padded decode batch, longer runs are prefill segments with their own masks."""
         bs = self.block_size
-        runs: list[tuple[int, int]] = []  # (first packed position, tokens) per entry
-        for t, e in enumerate(token_entry):
-            if e == len(runs):
-                runs.append((t, 0))
-            runs[e] = (runs[e][0], runs[e][1] + 1)
         dec_idx, dec_tables, dec_lens = [], [], []
-        for (q_start, n), table in zip(runs, tables, strict=True):
-            ctx_len = positions[q_start] + n
+        start = 0  # first packed position of the entry
+        # Each entry's tokens are one contiguous run of token_entry.
+        for (_, run), table in zip(itertools.groupby(token_entry), tables, strict=True):
+            n = len(list(run))
+            ctx_len = positions[start] + n
             if n == 1:
-                dec_idx.append(q_start)
+                dec_idx.append(start)
                 dec_tables.append(table)
                 dec_lens.append(ctx_len)
-                continue
-            meta.prefills.append(
-                PrefillSegment(
-                    q_start=q_start,
-                    q_len=n,
-                    ctx_len=ctx_len,
-                    block_ids=torch.tensor(table, device=self.device),
-                    mask=attention.causal_mask(ctx_len - n, n, ctx_len, self.groups).to(
-                        self.device
-                    ),
+            else:
+                mask = attention.causal_mask(ctx_len - n, n, ctx_len, self.groups)
+                meta.prefills.append(
+                    PrefillSegment(
+                        q_start=start,
+                        q_len=n,
+                        ctx_len=ctx_len,
+                        block_ids=torch.tensor(table, device=self.device),
+                        mask=mask.to(self.device),
+                    )
                 )
-            )
+            start += n
         if dec_idx:
             max_blocks = max(len(t) for t in dec_tables)
-            padded = [t + [t[-1]] * (max_blocks - len(t)) for t in dec_tables]
+            padded = pad_tables(dec_tables, max_blocks)
             lens = torch.tensor(dec_lens)
             meta.decode_token_idx = torch.tensor(dec_idx, device=self.device)
             meta.decode_block_ids = torch.tensor(padded, device=self.device).view(-1)
