@@ -45,26 +45,37 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-def build() -> Any:
+# Extra compiler flags and module-name suffix per build variant. "native": everything this CPU
+# has (the engine's build). "avx2": AVX-512 off and no dispatcher ops, for tests that hold the
+# AVX2 path against the AVX-512 one in the same process.
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "native": ([], ""),
+    "avx2": (["-mno-avx512f", "-DSTRAIT_NO_OPS"], "_avx2"),
+}
+
+
+def build(variant: str = "native") -> Any:
     """Compile (or load the cached build of) the kernels; raises when the build fails."""
     with _lock:
-        if "module" in _loaded:
-            return _loaded["module"]
+        if variant in _loaded:
+            return _loaded[variant]
         from torch.utils.cpp_extension import load as load_extension
 
+        flags, suffix = VARIANTS[variant]
         module = load_extension(
-            name=f"strait_cpu_kernels_{_cpu_tag()}",
+            name=f"strait_cpu_kernels_{_cpu_tag()}{suffix}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
             # libgomp resolves to the copy torch has already loaded (same soname), so the
             # kernels share torch's OpenMP thread pool instead of starting a second one.
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        from libs.engine.kernels.ops import register_fakes
+        if variant == "native":
+            from libs.engine.kernels.ops import register_fakes
 
-        register_fakes()
-        _loaded["module"] = module
+            register_fakes()
+        _loaded[variant] = module
         return module
 
 

@@ -3,7 +3,8 @@
 //
 // Loaded (compiled on first use) by libs/engine/kernels/__init__.py; called by
 // libs/engine/kernels/linear.py (PackedLinear) and libs/engine/attention.py (every token).
-// fp32 only; AVX2 + FMA paths with a plain C++ fallback for other CPUs.
+// fp32 only; AVX2 + FMA paths with a plain C++ fallback for other CPUs, and AVX-512 tiles for
+// the linear at two rows and more where the CPU has AVX-512 (same results, bit for bit).
 //
 // Numerics: every output of `packed_linear` is one sequential fused-multiply-add chain over k
 // = 0..K-1, whatever M is and wherever the row sits in the batch, so a sequence's logits do not
@@ -21,6 +22,11 @@
 #define STRAIT_AVX2 1
 #else
 #define STRAIT_AVX2 0
+#endif
+#if STRAIT_AVX2 && defined(__AVX512F__)
+#define STRAIT_AVX512 1
+#else
+#define STRAIT_AVX512 0
 #endif
 
 namespace {
@@ -185,6 +191,82 @@ inline void row_four_panels(const float* x, const float* const* w, int64_t k, fl
 }
 #endif
 
+
+#if STRAIT_AVX512
+constexpr int64_t kMR512 = 12;  // rows of x per AVX-512 tile: 12 x 2 accumulators of 32 zmm
+
+// R rows of x against two adjacent panels (32 output columns; one 16-float register holds a
+// panel row): 2R accumulators. Each output is the same FMA chain over k as in panel_tile, so
+// the AVX-512 and AVX2 paths give the same bits. `pair` points at the first panel, the second
+// follows it in memory. With PF, tile `tile` of `tiles` requests row i of the next pair's
+// panels every `tiles` iterations (see panel_tile).
+template <int R, bool PF>
+inline void pair_tile(const float* x, int64_t ldx, const float* pair, int64_t k, float* y,
+                      int64_t ldy, int64_t cols, const float* bias, const float* next,
+                      int64_t tile, int64_t tiles) {
+  const float* q = pair + k * kNR;  // the second panel
+  const float* pf = PF ? next + tile * kNR : nullptr;
+  const float* pf_end = PF ? next + k * kNR : nullptr;
+  int64_t countdown = 1;
+  __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+  __m512 a4 = a0, b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0;
+  __m512 a8 = a0, b8 = a0, a9 = a0, b9 = a0, a10 = a0, b10 = a0, a11 = a0, b11 = a0;
+  for (int64_t i = 0; i < k; ++i) {
+    if constexpr (PF) {
+      if (--countdown == 0) {
+        countdown = tiles;
+        if (pf < pf_end) {
+          __builtin_prefetch(pf, 0, 3);
+          __builtin_prefetch(pf + k * kNR, 0, 3);
+        }
+        pf += tiles * kNR;
+      }
+    }
+    const __m512 w0 = _mm512_loadu_ps(pair + i * kNR);
+    const __m512 w1 = _mm512_loadu_ps(q + i * kNR);
+#define STRAIT_PAIR_ROW(r)                                    \
+    if constexpr (R > r) {                                    \
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);       \
+      a##r = _mm512_fmadd_ps(xv, w0, a##r);                   \
+      b##r = _mm512_fmadd_ps(xv, w1, b##r);                   \
+    }
+    STRAIT_PAIR_ROW(0) STRAIT_PAIR_ROW(1) STRAIT_PAIR_ROW(2) STRAIT_PAIR_ROW(3)
+    STRAIT_PAIR_ROW(4) STRAIT_PAIR_ROW(5) STRAIT_PAIR_ROW(6) STRAIT_PAIR_ROW(7)
+    STRAIT_PAIR_ROW(8) STRAIT_PAIR_ROW(9) STRAIT_PAIR_ROW(10) STRAIT_PAIR_ROW(11)
+#undef STRAIT_PAIR_ROW
+  }
+  const __m512 lo[12] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+  const __m512 hi[12] = {b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11};
+  for (int r = 0; r < R; ++r) {
+    float tmp[2 * kNR];
+    _mm512_storeu_ps(tmp, lo[r]);
+    _mm512_storeu_ps(tmp + kNR, hi[r]);
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = bias ? tmp[j] + bias[j] : tmp[j];
+  }
+}
+
+// All `rows` rows of x against a pair of panels, twelve rows a tile.
+template <bool PF>
+inline void pair_rows(const float* x, int64_t ldx, int64_t rows, const float* pair, int64_t k,
+                      float* y, int64_t ldy, int64_t cols, const float* bias, const float* next) {
+  const int64_t tiles = (rows + kMR512 - 1) / kMR512;
+  int64_t r = 0, t = 0;
+  for (; r + kMR512 <= rows; r += kMR512, ++t)
+    pair_tile<kMR512, PF>(x + r * ldx, ldx, pair, k, y + r * ldy, ldy, cols, bias, next, t, tiles);
+  const float* xr = x + r * ldx;
+  float* yr = y + r * ldy;
+  switch (rows - r) {
+#define STRAIT_PAIR_CASE(n) \
+    case n: pair_tile<n, PF>(xr, ldx, pair, k, yr, ldy, cols, bias, next, t, tiles); break;
+    STRAIT_PAIR_CASE(11) STRAIT_PAIR_CASE(10) STRAIT_PAIR_CASE(9) STRAIT_PAIR_CASE(8)
+    STRAIT_PAIR_CASE(7) STRAIT_PAIR_CASE(6) STRAIT_PAIR_CASE(5) STRAIT_PAIR_CASE(4)
+    STRAIT_PAIR_CASE(3) STRAIT_PAIR_CASE(2) STRAIT_PAIR_CASE(1)
+#undef STRAIT_PAIR_CASE
+    default: break;
+  }
+}
+#endif
+
 // x [M, K] . packed [P, K, 16] (+ bias [N]) -> [M, N]
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias) {
@@ -204,6 +286,29 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
     b = bias->contiguous();
     bp = b.data_ptr<float>();
   }
+#if STRAIT_AVX512
+  if (m > 1) {  // pairs of panels; an odd last panel through the AVX2 tile
+    const int64_t pairs = (panels + 1) / 2;
+    at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q;
+        const float* panel = wp + p * k * kNR;
+        const float* pb = bp ? bp + p * kNR : nullptr;
+        if (p + 1 < panels) {
+          const int64_t cols = std::min(2 * kNR, n - p * kNR);
+          if (q + 1 < q1 && p + 3 < panels)
+            pair_rows<true>(xp, k, m, panel, k, yp + p * kNR, n, cols, pb, panel + 2 * k * kNR);
+          else
+            pair_rows<false>(xp, k, m, panel, k, yp + p * kNR, n, cols, pb, nullptr);
+        } else {
+          panel_rows<false>(xp, k, m, panel, k, yp + p * kNR, n, std::min(kNR, n - p * kNR), pb,
+                            nullptr);
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
 #if STRAIT_AVX2
@@ -508,6 +613,9 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 
 // The same kernels as dispatcher ops (torch.ops.strait.*), which torch.compile keeps as opaque
 // nodes; their shape functions ("fake" kernels) are registered in kernels/ops.py.
+// A build with STRAIT_NO_OPS (tests: the AVX2 path beside an AVX-512 build in one process)
+// registers none: an op library may be defined once per process.
+#ifndef STRAIT_NO_OPS
 TORCH_LIBRARY(strait, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def(
@@ -519,6 +627,7 @@ TORCH_LIBRARY_IMPL(strait, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("paged_attention", &paged_attention);
 }
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "w [N, K] -> packed [ceil(N/16), K, 16]");
@@ -528,4 +637,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "write every token's K/V, then attend (one query row per token)");
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
+  m.attr("avx512") = static_cast<bool>(STRAIT_AVX512);
 }

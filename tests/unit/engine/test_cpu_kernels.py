@@ -49,6 +49,20 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(k, n: int, kdim: int, bia
     assert torch.equal(k.packed_linear(x[3:20], packed, n, b), batch[3:20])
 
 
+def test_avx512_and_avx2_builds_give_the_same_bits(k) -> None:
+    """The AVX-512 tiles (two panels, twelve rows) run the same FMA chains as the AVX2 ones:
+    an engine's answers do not depend on which CPU it landed on. On a CPU without AVX-512 both
+    builds take the AVX2 path and agree trivially."""
+    avx2 = kernels.build("avx2")
+    assert not avx2.avx512
+    torch.manual_seed(1)
+    for m in (2, 5, 12, 13, 24, 32, 33):
+        for n, kdim in ((576, 576), (49, 37), (48, 100), (200, 64)):
+            x, w, b = torch.randn(m, kdim), torch.randn(n, kdim), torch.randn(n)
+            y = k.packed_linear(x, k.pack_weight(w), n, b)
+            assert torch.equal(y, avx2.packed_linear(x, avx2.pack_weight(w), n, b)), (m, n, kdim)
+
+
 def test_packed_linear_rejects_mismatched_shapes(k) -> None:
     packed = k.pack_weight(torch.randn(32, 16))
     with pytest.raises(RuntimeError, match="K mismatch"):
