@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from libs.engine import host_memory
+
 ATTENTION_NAME = "strait_paged"
 
 
@@ -50,11 +52,12 @@ class KvCache:
         self.block_size = block_size
         # [layers, 2 (k, v), kv_heads, num_blocks, block_size, head_dim]. Zeroed, not empty:
         # padded decode reads unused slots under a mask, and 0 * NaN would poison the output.
-        self.data = torch.zeros(
-            (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        # On a CPU, on huge pages: attention reads scattered 4 KiB blocks every step.
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        if device.type == "cpu":
+            self.data = host_memory.zeros(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(

@@ -213,6 +213,9 @@ def test_pack_linears_keeps_a_tied_head_and_the_outputs() -> None:
     assert isinstance(model.lm_head, PackedLinear)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the embedding still reads it
     assert model.model.layers[0].self_attn.q_proj.weight is None  # untied originals are freed
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    # One arena on huge pages holds every packed weight (libs/engine/host_memory.py).
+    assert len({m.packed.untyped_storage().data_ptr() for m in layers}) == 1
     with torch.inference_mode():
         after = model(input_ids=ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
