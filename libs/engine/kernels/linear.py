@@ -20,6 +20,8 @@ from libs.engine import host_memory
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` over pre-packed weights; any leading shape, last dim ``in_features``."""
 
+    packed: torch.Tensor  # [ceil(out / 16), in, 16] float32 (a buffer)
+
     def __init__(self, linear: nn.Linear, kernels: Any, keep_weight: bool) -> None:
         super().__init__()
         self.kernels = kernels
