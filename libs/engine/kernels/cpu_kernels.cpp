@@ -421,11 +421,13 @@ inline __m256 dot8(const float* q, const float* k, int64_t d) {
 }
 #endif
 
-// Ask for `floats` floats from p into cache, one request per 64-byte line. Each KV block is a
+// Ask for `floats` floats from p into L2, one request per 64-byte line. Each KV block is a
 // separate, randomly placed 4 KB run (block_size 16 x head dim 64), where the hardware
-// prefetcher starts cold; the attention loops request the next block ahead of use.
+// prefetcher starts cold; the attention loops request the next block ahead of use. Into L2,
+// not L1 (locality 2: prefetcht1): a block's 64 requests at once overflow L1's miss buffers;
+// in interleaved A/B (30 layers, 8-64 rows) attention ran 1.15-1.36x faster than with L1.
 inline void prefetch_floats(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
 
 // scores[0:len] <- exp(scores - max); returns the sum.
