@@ -3,6 +3,8 @@ runner's use of them. The kernels must build here: no skip (CI has a compiler)."
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(k, n: int, kdim: int, bia
     assert torch.equal(k.packed_linear(x[3:20], packed, n, b), batch[3:20])
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2/AVX-512 are x86-64 builds")
 def test_avx512_and_avx2_builds_give_the_same_bits(k) -> None:
     """The AVX-512 tiles (two panels, twelve rows) run the same FMA chains as the AVX2 ones:
     an engine's answers do not depend on which CPU it landed on. On a CPU without AVX-512 both
