@@ -562,6 +562,12 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
           for (; t < n; ++t) sg[t] = dot(qg, kb + t * d, d) * fscale;
         }
       }
+      // The next item's first key block, while this item's values are read (from L2): each
+      // item would otherwise start with a cold block (1.06-1.17x at 8-64 rows in A/B).
+      if (i + 1 < i1) {
+        const int64_t next_row = (i + 1) / hkv, next_kh = (i + 1) % hkv;
+        prefetch_floats(kp + next_kh * head_stride + tp[next_row * max_blocks] * bs * d, bs * d);
+      }
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * len;
         const float inv = 1.f / softmax_numerators(s, len);
