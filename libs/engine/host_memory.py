@@ -13,6 +13,7 @@ same behaviour.
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 
@@ -25,10 +26,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled, contiguous CPU tensor whose storage starts on a 2 MiB boundary and is
     advised for huge pages (Linux); ``torch.zeros`` elsewhere. The tensor keeps its mapping
     alive; the memory is returned when the last view of it is freed."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not sys.platform.startswith("linux") or advice is None or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)

@@ -191,7 +191,6 @@ inline void row_four_panels(const float* x, const float* const* w, int64_t k, fl
 }
 #endif
 
-
 #if STRAIT_AVX512
 constexpr int64_t kMR512 = 12;  // rows of x per AVX-512 tile: 12 x 2 accumulators of 32 zmm
 
@@ -245,7 +244,9 @@ inline void pair_tile(const float* x, int64_t ldx, const float* pair, int64_t k,
   }
 }
 
-// All `rows` rows of x against a pair of panels, twelve rows a tile.
+// All `rows` rows of x against a pair of panels, twelve rows a tile. The same walk as
+// panel_rows, written out: one generic walk (a lambda per tile size) measured 4-5% slower
+// at 32 rows in A/B.
 template <bool PF>
 inline void pair_rows(const float* x, int64_t ldx, int64_t rows, const float* pair, int64_t k,
                       float* y, int64_t ldy, int64_t cols, const float* bias, const float* next) {
