@@ -15,7 +15,7 @@ request forks into ``n`` choices). Order of processing per row, as in the OpenAI
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,14 @@ class SampleOutput:
 class Sampler:
     """Stateless apart from the shared generator used by unseeded requests."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``argmax``: float32 ``[S, V]`` -> int64 ``[S]``, equal to ``torch.argmax(x, -1)``
+        (the engine passes the CPU kernels' ``argmax_rows``); ``None``: torch's."""
+        self.argmax = argmax if argmax is not None else _torch_argmax
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -75,12 +82,10 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):  # the common case: no row gather
-            out_ids = [int(t) for t in logits.argmax(dim=-1).tolist()]
+            out_ids = [int(t) for t in self.argmax(logits).tolist()]
         elif greedy:
             idx = torch.tensor(greedy)
-            for i, t in zip(
-                greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=True
-            ):
+            for i, t in zip(greedy, self.argmax(logits.index_select(0, idx)).tolist(), strict=True):
                 out_ids[i] = t
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if sampled:
@@ -152,7 +157,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        return [int(t) for t in (probs / noise).argmax(dim=-1).tolist()]
+        return [int(t) for t in self.argmax(probs / noise).tolist()]
 
 
 def _has_penalties(r: SamplingRow) -> bool:
@@ -184,3 +189,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     remove |= before >= thresholds.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)

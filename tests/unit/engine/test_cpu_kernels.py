@@ -66,6 +66,37 @@ def test_avx512_and_avx2_builds_give_the_same_bits(k) -> None:
             assert torch.equal(y, avx2.packed_linear(x, avx2.pack_weight(w), n, b)), (m, n, kdim)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 40, 49152, 49155])
+def test_argmax_rows_matches_torch_argmax(k, n: int) -> None:
+    """Greedy decoding takes this arg-max: it must pick torch's index in every case, ties
+    (first wins), NaN (the first NaN wins), -inf rows, and widths off the vector length."""
+    torch.manual_seed(n)
+    x = torch.randn(9, n)
+    x[1] = x[1].round()  # many ties
+    x[2] = float("-inf")
+    x[3, n // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[4, n // 3] = float("nan")
+    x[5, :] = 0.0
+    x[5, -1] = -0.0
+    x[6, -1] = x[6].max() + 1  # the maximum in the scalar tail
+    x[7, 0] = float("inf")
+    x[7, -1] = float("inf")
+    for build in (k, kernels.build("avx2")):
+        got = build.argmax_rows(x)
+        assert got.dtype == torch.long
+        assert torch.equal(got, x.argmax(dim=-1)), (n, got, x.argmax(dim=-1))
+    # a non-contiguous view (a gather of rows comes in contiguous, but nothing relies on it)
+    assert torch.equal(k.argmax_rows(x.t().contiguous().t()), x.argmax(dim=-1))
+
+
+def test_argmax_rows_rejects_other_dtypes_and_shapes(k) -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        k.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float32"):
+        k.argmax_rows(torch.zeros(3))
+
+
 def test_packed_linear_rejects_mismatched_shapes(k) -> None:
     packed = k.pack_weight(torch.randn(32, 16))
     with pytest.raises(RuntimeError, match="K mismatch"):

@@ -31,6 +31,23 @@ def test_greedy_and_top_k_1_are_argmax() -> None:
     assert out.token_ids == lg.argmax(-1).tolist()
 
 
+def test_a_given_argmax_serves_greedy_and_seeded_rows_alike() -> None:
+    """The engine hands the sampler the CPU kernels' arg-max; every pick goes through it and
+    the tokens are those of torch's."""
+    calls: list[tuple[int, ...]] = []
+
+    def recording_argmax(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return x.argmax(dim=-1)
+
+    lg = logits(3, seed=4)
+    rows = [row(temperature=0.0), row(seed=7, temperature=0.8), row(temperature=0.0)]
+    got = Sampler(0, argmax=recording_argmax)(lg, rows)
+    assert calls == [(2, V), (1, V)]  # the greedy rows, then the sampled row's race
+    rows[1] = row(seed=7, temperature=0.8)  # a fresh generator: the same draw again
+    assert got.token_ids == Sampler(0)(lg, rows).token_ids
+
+
 def test_top_k_top_p_min_p_restrict_the_support() -> None:
     lg = logits()
     order = lg[0].argsort(descending=True).tolist()
