@@ -94,6 +94,28 @@ def test_greedy_matches_generate_with_chunks_prefix_hits_and_preemption(
         assert engine.runner.compiled_steps == 2 + forwards
 
 
+def test_compiled_engines_of_one_model_class_keep_their_own_graphs() -> None:
+    """Each runner compiles its own entry with no guards on the model's modules: two llama
+    engines in one process, with different weights and vocabularies, must each run graphs
+    of their own model (a shared graph would give the other model's tokens or fail)."""
+    models = [tiny_model("llama", seed=0), tiny_model("llama", seed=3, vocab_size=TINY_VOCAB + 40)]
+    ps = prompts(2)[:4]
+    refs = [[reference_greedy(m, p, MAX_NEW) for p in ps] for m in models]  # before the engines
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engines = [
+        LLMEngine(m, None, engine_settings(m, cpu_kernels="on", compile=True), f"tiny{i}")
+        for i, m in enumerate(models)
+    ]
+    assert engines[0].runner.compiled is not engines[1].runner.compiled
+    for round_ in range(2):  # the first engine again after the second compiled and ran
+        for i, engine in enumerate(engines):
+            subs = [Submission(f"m{i}-{round_}-{j}", p, greedy) for j, p in enumerate(ps)]
+            results = run_engine(engine, subs)
+            for j in range(len(ps)):
+                assert results[(f"m{i}-{round_}-{j}", 0)].token_ids == refs[i][j], (i, round_, j)
+    assert refs[0] != refs[1]  # the two models answer differently
+
+
 def test_greedy_is_independent_of_batch_composition() -> None:
     model = tiny_model("llama", seed=1)
     ps = prompts(1)
