@@ -2,10 +2,9 @@
 
 The model runner calls :func:`load` once at start when ``engine.cpu_kernels`` allows it; the
 result is the compiled module (``pack_weight``, ``packed_linear``, ``paged_row_attention``,
-``paged_attention``, ``argmax_rows``; ``packed_linear`` and ``paged_attention`` also as ``torch.ops.strait.*``,
-see ``ops.py``) or ``None`` when the kernels are off, the device is not a CPU, the dtype is not
-float32, or
-(under ``auto``) the build failed. ``make kernels`` / ``python -m libs.engine.kernels`` builds
+``paged_attention``, ``argmax_rows``; ``packed_linear`` and ``paged_attention`` also as
+``torch.ops.strait.*``, see ``ops.py``) or ``None`` when the kernels are off, the device is not
+a CPU, the dtype is not float32, or (under ``auto``) the build failed. ``make kernels`` / ``python -m libs.engine.kernels`` builds
 them ahead of time so a worker's first start does not wait for the compiler (~40 s here).
 
 Why the kernels exist (MKL's fp32 GEMV and small-M GEMMs, SDPA over a padded gather):
