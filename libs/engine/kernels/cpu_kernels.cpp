@@ -671,20 +671,19 @@ inline int64_t row_argmax(const float* x, int64_t n) {
       if (mv[l] > best_v || (mv[l] == best_v && mi[l] < best)) best_v = mv[l], best = mi[l];
   }
 #endif
-  for (; i < n; ++i) {  // the tail (all of a short row): later indices win only when greater
-    if (std::isnan(x[i])) {
-      for (int64_t j = 0; j <= i; ++j)
-        if (std::isnan(x[j])) return j;
-    }
+  // The tail (all of a short row), in order after NaN-free elements: the first NaN is this
+  // one; otherwise later indices win only when greater.
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
     if (x[i] > best_v) best_v = x[i], best = i;
   }
   return best;
 }
 
 // logits [S, V] float32 -> [S] int64: torch.argmax(logits, -1), bit for bit, rows in parallel.
-// Called by the sampler (greedy rows, and the sampled rows' exponential race): torch's arg-max
-// along the last dim runs one scalar compare per element (1.3 ms for 32 x 49152 logits here,
-// ~2% of a 32-sequence step).
+// Called by the sampler (greedy rows, and the sampled rows' exponential race): torch.argmax
+// along the last dim took 1.3 ms for 32 x 49152 logits here (25x torch.amax over the same
+// logits; ~2% of a 32-sequence step).
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
               "logits must be float32 [S, V]");
