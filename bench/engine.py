@@ -199,6 +199,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine.compile on: torch.compile the forward (compiled while the engine is built)",
     )
     p.add_argument(
+        "--quantization",
+        choices=["none", "gguf", "int4", "int8"],
+        default="",
+        help="engine.quantization (default: the settings')",
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="")
+    p.add_argument(
+        "--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default=""
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the measurements, one extra profiled engine run at the largest level",
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.engine.attention import KvCache
     from libs.engine.engine import LLMEngine
-    from libs.engine.model_runner import DTYPES, ModelShape
+    from libs.engine.model_runner import DTYPES, ModelShape, load_model
     from libs.models import prepare_model
     from libs.settings import get_settings
 
@@ -252,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         engine_settings.cpu_kernels = args.cpu_kernels
     if args.compile:
         engine_settings.compile = True
+    if args.quantization:
+        engine_settings.quantization = args.quantization
+    if args.dtype:
+        engine_settings.dtype = args.dtype
+    if args.kv_cache_dtype:
+        engine_settings.kv_cache_dtype = args.kv_cache_dtype
     if not engine_settings.kv_cache_bytes:
         # Room for every sequence of the largest level twice over (tokens → bytes per block).
         need = max(levels) * (args.prompt_tokens + args.max_tokens + engine_settings.block_size)
@@ -261,17 +277,23 @@ def main(argv: list[str] | None = None) -> int:
             engine_settings.block_size,
             shape.num_kv_heads,
             shape.head_dim,
-            DTYPES[engine_settings.dtype],
+            DTYPES[engine_settings.kv_dtype],
         )
         engine_settings.kv_cache_bytes = 2 * per_block * (need // engine_settings.block_size + 1)
     report.settings = engine_settings.model_dump()
-    engine_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine_model = load_model(path, engine_settings)
     if engine_settings.compile:  # the engine compiles its graphs while it is built
         print("compiling the forward (~5 min; cached on disk for later runs)...", flush=True)
     engine = LLMEngine(engine_model, tokenizer, engine_settings, args.model)
     report.settings["cpu_kernels_in_use"] = engine.runner.kernels is not None
     compiled = " + torch.compile" if engine.runner.compiled is not None else ""
     print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}{compiled}")
+    print(f"weights: {engine.runner.weights_summary()}")
+    report.settings["weights"] = engine.runner.weights_summary()
+    # The bandwidth ceiling counts the bytes one decode step reads: every linear's weights in
+    # the format they are served in (embeddings are read one row per token).
+    report.weight_bytes = engine.runner.linear_weight_bytes()
+    report.bandwidth_ceiling_tok_s = report.bandwidth_gb_s * 1e9 / report.weight_bytes
     # Warm both sides up (first calls allocate and pick kernels) with prompts not reused later.
     warm = make_prompts(tokenizer, 3, args.prompt_tokens, tag="Warm-up. ")
     run_engine(engine, warm[:1], 4)

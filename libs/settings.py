@@ -87,6 +87,10 @@ class PoolSettings(BaseModel):
     workers: int = 1
     prefill_workers: int = 1
     backend: Literal["engine", "fake"] = "engine"
+    # This pool's engine.quantization / engine.dtype / engine.kv_cache_dtype (None: engine's).
+    quantization: Literal["none", "gguf", "int4", "int8"] | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
 
 
 class ClassifierSettings(BaseModel):
@@ -190,6 +194,42 @@ class EngineSettings(BaseModel):
     # most per-op Python overhead; compiles at start (~5 min on 2 cores the first time, ~20 s
     # from inductor's disk cache). Decisions 0006, 0007.
     compile: bool = False
+    # Weight format (libs/engine/quant, docs/engine.md's table): "none" keeps the checkpoint's
+    # weights in `dtype`; "gguf" serves the source GGUF's blocks (4-bit types on the int4
+    # kernel); "int4" / "int8" quantise a float checkpoint at load (weight-only). The
+    # activations stay in `dtype`; the quantised kernels read them in bfloat16.
+    quantization: Literal["none", "gguf", "int4", "int8"] = "none"
+    # Input features per scale/zero of "int4" (torch's kernel takes 32, 64, 128 or 256).
+    quant_group_size: Literal[32, 64, 128, 256] = 32
+    # K/V storage: "auto" = `dtype`. Narrower halves attention's reads; not the same answers.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @property
+    def kv_dtype(self) -> str:
+        """The K/V cache's dtype name (``kv_cache_dtype`` with ``auto`` resolved)."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def weights_tag(self) -> str:
+        """What, beyond the model's name, changes its answers: "" for float32 weights,
+        activations and KV; else e.g. ``gguf``, ``int4-g64+bfloat16``, ``kv-bfloat16``."""
+        parts = []
+        if self.quantization == "int4":
+            parts.append(f"int4-g{self.quant_group_size}")
+        elif self.quantization != "none":
+            parts.append(self.quantization)
+        if self.dtype != "float32":
+            parts.append(self.dtype)
+        if self.kv_dtype != self.dtype:
+            parts.append(f"kv-{self.kv_dtype}")
+        return "+".join(parts)
+
+
+def model_identity(model: str, engine: EngineSettings) -> str:
+    """The id a model's KV blocks are hashed and handed off under: its name, plus the weights'
+    format where that changes answers (``smollm2-135m-instruct@gguf``), so blocks computed
+    under one format are never reused under another. Workers report it in their beats."""
+    tag = engine.weights_tag()
+    return f"{model}@{tag}" if tag else model
 
 
 class CacheSettings(BaseModel):
@@ -299,6 +339,12 @@ class Settings(BaseSettings):
 
     def pool(self, name: str) -> PoolSettings | None:
         return next((p for p in self.pools if p.name == name), None)
+
+    def engine_for(self, pool: PoolSettings) -> EngineSettings:
+        """``engine`` with the pool's own weight-format overrides applied."""
+        fields = ("quantization", "dtype", "kv_cache_dtype")
+        update = {f: getattr(pool, f) for f in fields if getattr(pool, f) is not None}
+        return self.engine.model_copy(update=update) if update else self.engine
 
     @property
     def database_url(self) -> str:

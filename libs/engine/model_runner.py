@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from libs.engine import attention, kernels
+from libs.engine import attention, kernels, quant
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
-from libs.engine.kernels.linear import pack_linears
+from libs.engine.kernels.linear import PackedLinear, pack_linears
 from libs.engine.scheduler import ScheduledSeq
 from libs.settings import EngineSettings
 
@@ -86,18 +86,25 @@ def pad_tables(tables: list[list[int]], width: int) -> list[list[int]]:
 
 
 def load_model(model_path: str | Path, settings: EngineSettings) -> torch.nn.Module:
-    """Load weights from a local directory (or a cached hub id) with our attention selected."""
+    """Load weights from a local directory (or a cached hub id) with our attention selected,
+    in ``engine.dtype``, with the linears in ``engine.quantization``'s format."""
     from transformers import AutoModelForCausalLM
 
     attention.register()
+    # Quantised linears are built from float32 weights (GGUF blocks are checked against them).
+    load_dtype = DTYPES[settings.dtype] if settings.quantization == "none" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path),
-        dtype=DTYPES[settings.dtype],
+        dtype=load_dtype,
         attn_implementation=attention.ATTENTION_NAME,
         local_files_only=True,
     )
     model.eval()
-    return model.to(settings.device)  # type: ignore[arg-type]
+    model.to(settings.device)  # type: ignore[arg-type]
+    if settings.quantization != "none":
+        quant.quantize_model(model, model_path, settings)
+        quant.cast_parameters(model, DTYPES[settings.dtype])
+    return model
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -164,6 +171,7 @@ class ModelRunner:
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged attention", n)
+        log.info("weights: %s", self.weights_summary())
         # The forward under torch.compile (engine.compile; needs the kernels' ops).
         self.compiled: Any = None
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
@@ -349,6 +357,34 @@ class ModelRunner:
             return out
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.compiled(self.model, **inputs)
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes of linear weights (scales included) one forward reads, in their format."""
+        total = 0
+        for m in self.model.modules():
+            if isinstance(m, quant.WeightOnlyLinear):
+                total += m.weight_bytes()
+            elif isinstance(m, PackedLinear):
+                total += m.packed.numel() * m.packed.element_size()
+            elif isinstance(m, torch.nn.Linear):
+                total += m.weight.numel() * m.weight.element_size()
+        return total
+
+    def weights_summary(self) -> str:
+        """One line: each linear kind and how many, and the bytes a forward reads."""
+        kinds: dict[str, int] = {}
+        for m in self.model.modules():
+            kind = ""
+            if isinstance(m, quant.WeightOnlyLinear):
+                kind = m.kind
+            elif isinstance(m, PackedLinear):
+                kind = "fp32-packed"
+            elif isinstance(m, torch.nn.Linear):
+                kind = str(m.weight.dtype).removeprefix("torch.")
+            if kind:
+                kinds[kind] = kinds.get(kind, 0) + 1
+        listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        return f"{listed}; {self.linear_weight_bytes() / 2**20:.1f} MiB of linears a step"
 
     # ------------------------------------------------------------------ block data
 

@@ -1,0 +1,71 @@
+"""4-bit weights, group-wise scale and zero, on torch's int4 weight-only matmul.
+
+Kernels: ``torch._weight_int4pack_mm_for_cpu`` on the CPU, ``torch._weight_int4pack_mm`` (the
+tinygemm kernel torchao's ``int4_weight_only`` uses) on CUDA; both compute, per group of
+``group`` input features, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 and bf16
+``scale``/``zero``. Weights come from a float checkpoint (:meth:`Int4Linear.from_float`,
+asymmetric min/max per group) or straight from a GGUF's 4-bit blocks
+(:mod:`libs.engine.quant.gguf`: Q4_0, Q4_1, Q4_K map onto the same formula).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from libs.engine.quant.base import KERNEL_DTYPE, WeightOnlyLinear
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+class Int4Linear(WeightOnlyLinear):
+    """One linear's int4 weights, packed once for the device's kernel."""
+
+    packed: torch.Tensor  # CPU: [out, in / 2] uint8; CUDA: tinygemm's tiled int32 layout
+    scales_zeros: torch.Tensor  # [in / group, out, 2] bfloat16: (scale, zero) per group
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """``q``: ``[out, in]`` integers 0..15; ``scale``, ``zero``: ``[out, in / group]``."""
+        out_features, in_features = q.shape
+        if in_features % group:
+            raise ValueError(f"in_features {in_features} is not a multiple of group {group}")
+        super().__init__(in_features, out_features, bias)
+        self.group = group
+        self.kind = f"int4-g{group}"
+        q32 = q.to(torch.int32).contiguous()
+        if q32.is_cuda:
+            # tinygemm wants the two nibbles of a byte as (even << 4 | odd) in uint8 first.
+            u8 = (q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8)
+            packed = torch._convert_weight_to_int4pack(u8, 8)
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q32, 1)
+        self.register_buffer("packed", packed)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1)  # [in / group, out, 2]
+        self.register_buffer("scales_zeros", sz.to(KERNEL_DTYPE).contiguous())
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, group: int, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """Quantise ``weight [out, in]`` asymmetrically per group of ``group`` inputs: the
+        group's min and max span the 16 levels. Scale and zero are rounded to bf16 *before*
+        the levels are chosen, so the levels fit the numbers the kernel will use."""
+        out_features, in_features = weight.shape
+        w = weight.detach().float().reshape(out_features, in_features // group, group)
+        lo = w.amin(dim=-1)
+        hi = w.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).to(KERNEL_DTYPE).float()
+        zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
+        q = torch.round((w - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp(0, 15)
+        return cls(q.reshape(out_features, in_features), scale, zero, group, bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return torch._weight_int4pack_mm(x, self.packed, self.group, self.scales_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
