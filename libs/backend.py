@@ -86,6 +86,8 @@ class LoadInfo:
 
 class Backend(Protocol):
     model_name: str
+    # Name plus weights' format (libs.settings.model_identity): the key KV blocks hash under.
+    model_id: str
     max_model_len: int
 
     async def start(self) -> None: ...

@@ -65,6 +65,7 @@ class FakeBackend:
     ) -> None:
         self.settings = settings
         self.model_name = model_name
+        self.model_id = model_name  # one format: the fake has no weights
         self.max_model_len = settings.max_model_len
         self.block_size = block_size
         self.capacity = capacity

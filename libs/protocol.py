@@ -255,6 +255,10 @@ class WorkerBeat(Struct, kw_only=True):
     pool: str
     role: str
     model: str
+    # The model's identity for KV reuse: its name plus the weights' format where that changes
+    # answers (libs.settings.model_identity, e.g. "smollm2-135m-instruct@gguf"); blocks are
+    # hashed under it. "" (older workers): the same as ``model``.
+    model_id: str = ""
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0

@@ -5,7 +5,7 @@ strait gateway|router|prefill|decode|cache
                              one service (for compose and Kubernetes)
 strait keys create|list|revoke
 strait models prepare|convert|list
-strait bench serve|engine
+strait bench serve|engine|quality
 strait schemas               write the wire protocol's JSON schemas to docs/schemas/
 """
 
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     models.add_parser("list", help="list known and prepared models")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("which", choices=["serve", "engine"])
+    bench.add_argument("which", choices=["serve", "engine", "quality"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.serve import main as serve_main
 
             return serve_main(args.args)
+        if args.which == "quality":
+            from bench.quality import main as quality_main
+
+            return quality_main(args.args)
         from bench.engine import main as engine_main
 
         return engine_main(args.args)

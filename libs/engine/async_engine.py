@@ -30,7 +30,7 @@ from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt
 from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.kv_transfer import KvBlocks
 from libs.protocol import ChatMessage, Priority, SamplingParams
-from libs.settings import EngineSettings, Settings
+from libs.settings import EngineSettings, PoolSettings, Settings, model_identity
 
 log = logging.getLogger("strait.engine")
 
@@ -83,6 +83,7 @@ class AsyncEngineBackend:
         self.settings = settings
         self.model_path = model_path
         self.model_name = model_name
+        self.model_id = model_identity(model_name, settings)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         text_config = config.get_text_config()
@@ -104,12 +105,13 @@ class AsyncEngineBackend:
         self._exports: dict[str, list[int]] = {}  # request id → prompt ids (engine thread only)
 
     @classmethod
-    def from_settings(cls, settings: Settings, model_name: str) -> AsyncEngineBackend:
-        """Resolve ``model_name`` to a local directory (converting once) and build the backend."""
+    def from_settings(cls, settings: Settings, pool: PoolSettings) -> AsyncEngineBackend:
+        """Resolve ``pool``'s model to a local directory (converting once) and build the
+        backend with the pool's engine settings (its weights' format)."""
         from libs.models import prepare_model
 
-        path = prepare_model(model_name, settings)
-        return cls(settings.engine, str(path), model_name)
+        path = prepare_model(pool.model, settings)
+        return cls(settings.engine_for(pool), str(path), pool.model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -119,7 +121,7 @@ class AsyncEngineBackend:
             torch.set_num_threads(self.settings.num_threads)
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(
-            LLMEngine.from_path, self.model_path, self.settings, self.model_name
+            LLMEngine.from_path, self.model_path, self.settings, self.model_id
         )
         self._engine.tokenizer = self.tokenizer
         self._update_load()

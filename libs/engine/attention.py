@@ -137,13 +137,21 @@ def paged_attention(
 
     k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
     hkv, num_blocks, block_size, d = k_cache.shape
-    # 1. Write the new K/V into their slots.
-    k_cache.view(hkv, num_blocks * block_size, d).index_copy_(1, meta.slot_mapping, key[0])
-    v_cache.view(hkv, num_blocks * block_size, d).index_copy_(1, meta.slot_mapping, value[0])
+    # 1. Write the new K/V into their slots (rounded to the cache's dtype, engine.kv_cache_dtype).
+    kv_dtype = k_cache.dtype
+    k_slots = k_cache.view(hkv, num_blocks * block_size, d)
+    k_slots.index_copy_(1, meta.slot_mapping, key[0].to(kv_dtype))
+    v_slots = v_cache.view(hkv, num_blocks * block_size, d)
+    v_slots.index_copy_(1, meta.slot_mapping, value[0].to(kv_dtype))
+    # Scores and softmax in float32 whatever the activations' and the cache's dtypes: SDPA's
+    # bf16 reductions depend on the padded length, i.e. on the batch (a batched bf16 engine
+    # diverged from one request at a time in tests); in float32 they agree as they do for
+    # float32 models. Only the output is rounded back to the activations' dtype.
+    act = torch.float32
 
     _, h, t, _ = query.shape
     groups = h // hkv
-    q = query[0]  # [H, T, D]
+    q = query[0].to(act)  # [H, T, D]
     out = query.new_empty(t, h, d)  # [T, H, D]
 
     # 2a. Decode tokens: one padded, batched SDPA.
@@ -153,22 +161,22 @@ def paged_attention(
         # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]
         qd = q.index_select(1, meta.decode_token_idx).view(hkv, groups, b, d).transpose(1, 2)
         # [Hkv, B * max_blocks, block_size, D] is already [Hkv, B, L_max, D] in memory.
-        kd = k_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d)
-        vd = v_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d)
+        kd = k_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d).to(act)
+        vd = v_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d).to(act)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
         # [Hkv, B, G, D] -> [B, Hkv, G, D] -> [B, H, D]
-        out.index_copy_(0, meta.decode_token_idx, od.transpose(0, 1).reshape(b, h, d))
+        out.index_copy_(0, meta.decode_token_idx, od.transpose(0, 1).reshape(b, h, d).to(out.dtype))
 
     # 2b. Prefill chunks: one SDPA per sequence.
     for seg in meta.prefills:
         s, n = seg.q_start, seg.q_len
         # [H, n, D] -> [Hkv, G * n, D] (row g*n + i: query i of group member g)
         qs = q[:, s : s + n].reshape(hkv, groups * n, d)
-        ks = k_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len]
-        vs = v_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len]
+        ks = k_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(act)
+        vs = v_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(act)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling)
         # [Hkv, G * n, D] -> [H, n, D] -> [n, H, D]
-        out[s : s + n] = os_.view(h, n, d).transpose(0, 1)
+        out[s : s + n] = os_.view(h, n, d).transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
 
 

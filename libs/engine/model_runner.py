@@ -130,7 +130,7 @@ def num_kv_blocks(settings: EngineSettings, shape: ModelShape, device: torch.dev
         settings.block_size,
         shape.num_kv_heads,
         shape.head_dim,
-        DTYPES[settings.dtype],
+        DTYPES[settings.kv_dtype],
     )
     budget = settings.kv_cache_bytes or int(
         available_memory_bytes(device) * settings.kv_cache_memory_fraction
@@ -148,6 +148,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(settings.device)
         self.dtype = DTYPES[settings.dtype]
+        self.kv_dtype = DTYPES[settings.kv_dtype]  # engine.kv_cache_dtype, "auto" resolved
         self.block_size = settings.block_size
         self.shape = ModelShape.of(model.config)
         self.num_blocks = num_kv_blocks(settings, self.shape, self.device)
@@ -162,12 +163,15 @@ class ModelRunner:
             self.block_size,
             self.shape.num_kv_heads,
             self.shape.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.groups = self.shape.num_heads // self.shape.num_kv_heads
         # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
+        # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
+        # attention (the linears and the arg-max still use the kernels).
+        self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged attention", n)
@@ -176,7 +180,7 @@ class ModelRunner:
         self.compiled: Any = None
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
-        if settings.compile and self.kernels is not None and self.num_blocks >= 5:
+        if settings.compile and self.kernel_attention and self.num_blocks >= 5:
             # The model's modules never change after start: no guards on them (see
             # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
             guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
@@ -188,12 +192,17 @@ class ModelRunner:
             self.warm_up()
             log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
         elif settings.compile:
-            log.warning("engine.compile needs the CPU kernels and 5 KV blocks; running eager")
+            log.warning(
+                "engine.compile needs the CPU kernels, a float32 KV cache and 5 KV blocks; "
+                "running eager"
+            )
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens in %s (%.1f MiB), %s attention",
             self.num_blocks,
             self.block_size,
+            settings.kv_dtype,
             self.kv_cache.data.numel() * self.kv_cache.data.element_size() / 2**20,
+            "Strait's paged" if self.kernel_attention else "torch's",
         )
 
     @torch.inference_mode()
@@ -234,7 +243,7 @@ class ModelRunner:
             cache=self.kv_cache, slot_mapping=torch.tensor(slots, device=self.device)
         )
         num_keep = len(keep)
-        if self.kernels is not None:
+        if self.kernel_attention:
             width = max(len(t) for t in tables)
             if self.compiled is not None:
                 # At least two table columns and, past one token, two sampled rows (repeats of
@@ -396,4 +405,4 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of :meth:`read_blocks`."""
         idx = torch.tensor(block_ids, device=self.device)
-        self.kv_cache.data.index_copy_(3, idx, data.to(self.device, self.dtype))
+        self.kv_cache.data.index_copy_(3, idx, data.to(self.device, self.kv_dtype))

@@ -39,7 +39,7 @@ def build_backend(settings: Settings) -> Backend:
         return FakeBackend(
             settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
         )
-    return AsyncEngineBackend.from_settings(settings, pool.model)
+    return AsyncEngineBackend.from_settings(settings, pool)
 
 
 async def serve(ctx: ServiceContext) -> None:

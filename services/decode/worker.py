@@ -350,6 +350,7 @@ class Worker:
             pool=self.pool,
             role=self.role,
             model=self.backend.model_name,
+            model_id=self.backend.model_id,
             running=load.running,
             waiting=load.waiting,
             kv_blocks_used=load.kv_blocks_used,
@@ -363,7 +364,7 @@ class Worker:
         if load.stored_hashes or load.evicted_hashes:
             kv = KvEvent(
                 worker_id=self.worker_id,
-                model=self.backend.model_name,
+                model=self.backend.model_id,
                 stored=load.stored_hashes,
                 evicted=load.evicted_hashes,
             )

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
 from libs.protocol import GenerateRequest, UsageEvent
-from libs.settings import Settings
+from libs.settings import Settings, model_identity
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
 from services.gateway.cache import ResponseCache, cache_key, is_deterministic
@@ -143,6 +143,9 @@ def create_app(
                         "owned_by": "strait",
                         "root": p.model,
                         "strait_pool": p.name,
+                        # What the pool's workers hash KV under: name + weights' format.
+                        "strait_model_id": model_identity(p.model, settings.engine_for(p)),
+                        "strait_quantization": settings.engine_for(p).quantization,
                         "strait_live": p.name in live,
                     }
                 )

@@ -32,7 +32,7 @@ async def serve(ctx: ServiceContext) -> None:
         raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
     if pool.backend != "engine":
         raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
-    backend = AsyncEngineBackend.from_settings(settings, pool.model)
+    backend = AsyncEngineBackend.from_settings(settings, pool)
     await backend.start()
     nc = await connect(settings.nats, f"prefill-{pool.name}")
     worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))

@@ -285,7 +285,7 @@ class PrefillWorker(Worker):
         returns the prompt tokens it covers (0 when there is no service or no hit)."""
         if self.cache is None:
             return 0
-        model_id = self.backend.model_name
+        model_id = self.backend.model_id
         block_size = self.backend.load().block_size
         # Full blocks before the last prompt token (that one is always computed, for logits).
         n = (len(prompt.token_ids) - 1) // block_size

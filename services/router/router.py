@@ -202,7 +202,9 @@ class Router:
                 retry_after_s=self.cfg.retry_after_s,
             )
         first = workers[0].beat
-        hashes, n_tokens = self.prefix(req, pool, first.model, first.block_size)
+        hashes, n_tokens = self.prefix(
+            req, pool, first.model, first.model_id or first.model, first.block_size
+        )
         overlaps = self.registry.overlaps(hashes) if hashes else {}
         ranked = rank(workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS)
         decode_workers: list[str] = []
@@ -232,14 +234,15 @@ class Router:
         )
 
     def prefix(
-        self, req: GenerateRequest, pool: str, model: str, block_size: int
+        self, req: GenerateRequest, pool: str, model: str, model_id: str, block_size: int
     ) -> tuple[list[int], int]:
-        """The prompt's block chain hashes for ``pool`` and its length in tokens (estimated
-        from characters when the pool's tokenizer is unknown)."""
+        """The prompt's block chain hashes for ``pool`` (under the workers' ``model_id``, the
+        model name plus its weights' format) and its length in tokens (estimated from
+        characters when the pool's tokenizer is unknown)."""
         ids = self.hashers.hasher(pool, model).token_ids(req)
         if ids is None:
             return [], len(prompt_text(req)) // CHARS_PER_TOKEN
-        return self.hashers.chain(ids, block_size, model), len(ids)
+        return self.hashers.chain(ids, block_size, model_id), len(ids)
 
     def _live(self, pool: str, exclude: frozenset[str], now: float) -> list[WorkerView]:
         return [w for w in self.registry.live(pool, now=now) if w.worker_id not in exclude]

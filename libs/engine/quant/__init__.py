@@ -62,13 +62,17 @@ Builder = Callable[[nn.Module, str | Path, EngineSettings], dict[str, WeightOnly
 
 
 def _from_float(make: Callable[[nn.Linear], WeightOnlyLinear]) -> Builder:
-    def build(model: nn.Module, _dir: str | Path, _s: EngineSettings) -> dict[str, WeightOnlyLinear]:
+    def build(
+        model: nn.Module, _dir: str | Path, _s: EngineSettings
+    ) -> dict[str, WeightOnlyLinear]:
         return {n: make(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
     return build
 
 
-def _gguf(model: nn.Module, model_dir: str | Path, _s: EngineSettings) -> dict[str, WeightOnlyLinear]:
+def _gguf(
+    model: nn.Module, model_dir: str | Path, _s: EngineSettings
+) -> dict[str, WeightOnlyLinear]:
     from libs.engine.quant.gguf import gguf_linears
 
     return gguf_linears(model, model_dir)

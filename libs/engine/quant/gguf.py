@@ -105,15 +105,17 @@ def decode_4bit(kind: str, raw: np.ndarray, in_features: int) -> tuple[Any, Any,
         d = _f16(b[..., 0:2])[..., None]  # [out, S, 1]
         dmin = _f16(b[..., 2:4])[..., None]
         s = b[..., 4:16].astype(np.int32)  # [out, S, 12]: 6-bit scale and min of 8 sub-blocks
-        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+        sc = np.concatenate(
+            [s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1
+        )
         mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
         qs = b[..., 16:144].reshape(out, in_features // 256, 4, 32)
         # Chunk c of 64 elements: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(out, in_features)
+        levels = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(out, in_features)
         scale = d * torch.from_numpy(sc.astype(np.float32))  # [out, S, 8]
         zero = 8 * scale - dmin * torch.from_numpy(mn.astype(np.float32))
         return (
-            torch.from_numpy(np.ascontiguousarray(q)),
+            torch.from_numpy(np.ascontiguousarray(levels)),
             scale.reshape(out, -1),
             zero.reshape(out, -1),
         )
@@ -155,8 +157,9 @@ class GgufWeights:
         config: Any,
         bias: torch.Tensor | None,
         device: torch.device,
-    ) -> WeightOnlyLinear:
-        """The layer for GGUF tensor ``name`` (HF linear ``module_name``), in HF's row order."""
+    ) -> tuple[WeightOnlyLinear, torch.Tensor]:
+        """The layer for GGUF tensor ``name`` (HF linear ``module_name``), in HF's row order,
+        and the float32 weight the file's blocks hold (before any bf16 rounding), on the CPU."""
         from gguf.quants import dequantize
 
         t = self.tensors[name]
@@ -177,24 +180,15 @@ class GgufWeights:
                 q.to(device), scale.to(device), zero.to(device), 32, bias
             )
             layer.kind = f"gguf-{kind.lower()}"
-            self._reference = ((q.float() - 8).view(out_features, -1, 32), scale, zero)
-            return layer
+            ref = (q.float() - 8).view(out_features, -1, 32) * scale[..., None] + zero[..., None]
+            return layer, ref.flatten(1)
         w = torch.from_numpy(np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32))
         w = w.reshape(out_features, in_features)
         if order is not None:
             w = w[order]
         layer = Int8Linear.from_float(w.to(device), bias)
         layer.kind = f"gguf-{kind.lower()}-int8"
-        self._reference = w
-        return layer
-
-    def reference_weight(self) -> torch.Tensor:
-        """The float32 weight of the last :meth:`linear` before any bf16 rounding."""
-        ref = self._reference
-        if isinstance(ref, tuple):
-            q, scale, zero = ref
-            return (q * scale[..., None] + zero[..., None]).flatten(1)
-        return ref
+        return layer, w
 
 
 def gguf_linears(model: nn.Module, model_dir: str | Path) -> dict[str, WeightOnlyLinear]:
@@ -208,7 +202,8 @@ def gguf_linears(model: nn.Module, model_dir: str | Path) -> dict[str, WeightOnl
             "has no source GGUF (convert it with `strait models prepare` or pick int4 / int8)"
         )
     weights = GgufWeights(path)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # type: ignore[operator,union-attr]
+    config: Any = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers: dict[str, WeightOnlyLinear] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -218,8 +213,7 @@ def gguf_linears(model: nn.Module, model_dir: str | Path) -> dict[str, WeightOnl
             name = "token_embd.weight"  # tied embeddings: the GGUF holds one copy
         if name is None or name not in weights.tensors:
             raise ValueError(f"{path.name} holds no tensor for {module_name} (looked for {name})")
-        layer = weights.linear(name, module_name, config, module.bias, module.weight.device)
-        ref = weights.reference_weight()
+        layer, ref = weights.linear(name, module_name, config, module.bias, module.weight.device)
         w = module.weight.detach().float().cpu()
         if ref.shape != w.shape:
             raise ValueError(f"{name} is {tuple(ref.shape)}, {module_name} is {tuple(w.shape)}")

@@ -97,7 +97,9 @@ def test_gguf_4bit_blocks_decode_exactly_as_the_gguf_package(kind: str) -> None:
 
 def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's Q/K row order (the inverse of what the loader undoes)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_tiny_gguf(model: torch.nn.Module, model_dir: Path, kind: str = "Q4_1") -> Path:
@@ -216,7 +218,9 @@ def test_the_weights_format_is_part_of_the_model_identity() -> None:
     assert model_identity(name, EngineSettings()) == name
     assert model_identity(name, EngineSettings(quantization="gguf")) == f"{name}@gguf"
     assert (
-        model_identity(name, EngineSettings(quantization="int4", quant_group_size=64, dtype="bfloat16"))
+        model_identity(
+            name, EngineSettings(quantization="int4", quant_group_size=64, dtype="bfloat16")
+        )
         == f"{name}@int4-g64+bfloat16"
     )
     assert model_identity(name, EngineSettings(kv_cache_dtype="bfloat16")) == f"{name}@kv-bfloat16"
@@ -224,3 +228,63 @@ def test_the_weights_format_is_part_of_the_model_identity() -> None:
     s = Settings(pools=[{"name": "q", "quantization": "int8"}], engine={"quantization": "gguf"})
     assert s.engine_for(s.pools[0]).quantization == "int8"
     assert s.engine.quantization == "gguf"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "quantization", "cpu_kernels"),
+    [
+        ("float32", "bfloat16", "none", "on"),  # kernels' linears, torch's attention
+        ("float32", "float16", "int4", "off"),
+        ("bfloat16", "auto", "none", "off"),
+        ("bfloat16", "auto", "int8", "off"),
+    ],
+)
+def test_narrow_kv_and_bf16_activations_batched_equal_one_at_a_time(
+    dtype: str, kv_cache_dtype: str, quantization: str, cpu_kernels: str
+) -> None:
+    """Where no float32 reference exists (bf16 activations, a narrower KV cache), the batched,
+    chunked, preempting engine answers as the same format serving one request at a time."""
+    model = tiny_model("llama")
+    fmt = EngineSettings(quantization=quantization, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    quant.quantize_model(model, "", fmt)
+    if dtype != "float32":
+        quant.cast_parameters(model, torch.bfloat16)
+    ps = prompts()
+    common: dict = dict(
+        block_size=4,
+        prefill_chunk_tokens=8,
+        cpu_kernels=cpu_kernels,
+        quantization=quantization,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    alone = LLMEngine(
+        model,
+        None,
+        engine_settings(
+            model, num_blocks=64, max_num_seqs=1, enable_prefix_caching=False, **common
+        ),
+        "tiny",
+    )
+    assert alone.runner.kv_cache.data.dtype == getattr(torch, fmt.kv_dtype)
+    refs = [run_engine(alone, [Submission("a", p, greedy)])[("a", 0)].token_ids for p in ps]
+    batched = LLMEngine(
+        model,
+        None,
+        # kv_bytes counts float32 blocks: 20 blocks of the narrower cache.
+        engine_settings(
+            model,
+            num_blocks=20 * getattr(torch, fmt.kv_dtype).itemsize // 4,
+            max_num_batched_tokens=24,
+            max_num_seqs=6,
+            **common,
+        ),
+        "tiny",
+    )
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
+    results = run_engine(batched, subs)
+    for i in range(len(ps)):
+        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
+    assert batched.scheduler.num_preemptions > 0
+    assert batched.pool.num_used == 0
