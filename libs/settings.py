@@ -201,6 +201,11 @@ class EngineSettings(BaseModel):
     quantization: Literal["none", "gguf", "int4", "int8"] = "none"
     # Input features per scale/zero of "int4" (torch's kernel takes 32, 64, 128 or 256).
     quant_group_size: Literal[32, 64, 128, 256] = 32
+    # Activations into Strait's block kernel (AVX-512 CPUs, float32 models): "int8" quantises
+    # them per 32 inputs and multiplies in integers (VNNI; llama.cpp's arithmetic, ~2x faster
+    # linears); "float32" keeps them, and a GGUF's Q4_0/Q4_1/Q8_0 blocks then give the bits of
+    # the float32 model converted from it. Elsewhere torch's kernels take bf16 activations.
+    quant_activations: Literal["int8", "float32"] = "int8"
     # K/V storage: "auto" = `dtype`. Narrower halves attention's reads; not the same answers.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
@@ -217,6 +222,8 @@ class EngineSettings(BaseModel):
             parts.append(f"int4-g{self.quant_group_size}")
         elif self.quantization != "none":
             parts.append(self.quantization)
+        if self.quantization != "none" and self.quant_activations == "int8":
+            parts.append("a8")
         if self.dtype != "float32":
             parts.append(self.dtype)
         if self.kv_dtype != self.dtype:

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -24,10 +26,18 @@
 #else
 #define STRAIT_AVX2 0
 #endif
-#if STRAIT_AVX2 && defined(__AVX512F__)
+#if STRAIT_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define STRAIT_AVX512 1
 #else
 #define STRAIT_AVX512 0
+#endif
+#ifndef STRAIT_QPF
+#define STRAIT_QPF 8
+#endif
+#if STRAIT_AVX512 && defined(__AVX512VNNI__)
+#define STRAIT_VNNI 1
+#else
+#define STRAIT_VNNI 0
 #endif
 
 namespace {
@@ -343,6 +353,354 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
         panel_rows<false>(xp, k, m, panel, k, yp + p * kNR, n, cols, pb, nullptr);
     }
   });
+  return out;
+}
+
+
+// ------------------------------------------------------------------ block-quantized linear
+//
+// Weights in blocks of `group` inputs (GGUF's Q4_0 / Q4_1 / Q8_0, Strait's int4 / int8), read
+// as stored: q the level, d (and m) the block's fp16 scale (and offset). 4 bits: w = q * d + m
+// (Q4_1), or (q - 8) * d without offsets (Q4_0); 8 bits: w = q * d, q signed (Q8_0).
+//
+// Layout, per panel p of 16 output columns (zero padded), in 32-bit lanes of 4 bytes (the
+// shape VNNI's vpdpbusd multiplies): 4 bits uint8 [P, K / 8, 16, 4], byte (c, j, t) =
+// q[j, 8c + t] | q[j, 8c + 4 + t] << 4; 8 bits uint8 [P, K / 4, 16, 4], byte (c, j, t) =
+// q[j, 4c + t] + 128; d and m fp16 [P, K / group, 16] (m empty: no offsets). Built by
+// libs/engine/quant/blocks.py. Two ways through it (`act_bits`):
+//
+// - 32: float32 activations. Each weight widened exactly as the `gguf` package dequantises it
+//   (the product, then the sum: no fused multiply-add), every output the same sequential FMA
+//   chain over k as packed_linear's: a model served from its blocks gives the bits of the
+//   float32 model converted from the same GGUF.
+// - 8: activations quantised per 32 inputs to int8 (xq = round(x / xd), xd = absmax / 127, as
+//   llama.cpp's Q8 blocks), integer dot products of levels and xq by vpdpbusd (64 products an
+//   instruction), then per block y += d * xd * dot + m * xd * sum(xq) in float32. Not the
+//   float model's bits; ~4x fewer instructions than widening every weight.
+
+#if STRAIT_AVX512
+constexpr int64_t kQB = 32;  // inputs per activation block (act_bits 8)
+constexpr int64_t kQPrefetch = STRAIT_QPF;  // 64-byte lines read ahead in each panel stream
+
+struct QPanelPtr {
+  const uint8_t* q;  // the panel's levels
+  const uint16_t* d;  // its scales [K / group, 16]
+  const uint16_t* m;  // its offsets, or nullptr
+};
+
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+#if STRAIT_VNNI
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+  return acc;  // never reached: block_linear refuses int8 activations without VNNI
+#endif
+}
+
+inline __m512 load_half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// ---- float32 activations: R rows x NP panels, one sequential FMA chain per output.
+template <int R, int NP, int BITS, bool OFFSET>
+inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_t k, int64_t group,
+                        float* y, int64_t ldy, const int64_t* cols, const float* const* bias) {
+  static_assert(R * NP <= 16, "too many accumulators");
+#define STRAIT_ACC(r) __m512 c##r##_0 = _mm512_setzero_ps(), c##r##_1 = c##r##_0, c##r##_2 = c##r##_0, c##r##_3 = c##r##_0;
+  STRAIT_ACC(0) STRAIT_ACC(1) STRAIT_ACC(2) STRAIT_ACC(3) STRAIT_ACC(4) STRAIT_ACC(5)
+  STRAIT_ACC(6) STRAIT_ACC(7)
+#undef STRAIT_ACC
+#define STRAIT_FMA(r, p, w, i)                                                              \
+  if constexpr (R > r && NP > p) c##r##_##p = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + (i)]), w, c##r##_##p);
+#define STRAIT_FMA_ROWS(p, w, i)                                                               \
+  STRAIT_FMA(0, p, w, i) STRAIT_FMA(1, p, w, i) STRAIT_FMA(2, p, w, i) STRAIT_FMA(3, p, w, i)  \
+  STRAIT_FMA(4, p, w, i) STRAIT_FMA(5, p, w, i) STRAIT_FMA(6, p, w, i) STRAIT_FMA(7, p, w, i)
+  constexpr int kChunk = BITS == 4 ? 8 : 4;  // inputs per 64-byte chunk of a panel
+  const __m512i nibble = _mm512_set1_epi32(0x0F), byte = _mm512_set1_epi32(0xFF);
+  const __m512i bias_q = _mm512_set1_epi32(BITS == 4 ? (OFFSET ? 0 : 8) : 128);
+  __m512 scale[NP], offset[NP];
+  for (int64_t c = 0; c < k / kChunk; ++c) {
+    const int64_t i0 = c * kChunk;
+    if (i0 % group == 0) {
+      for (int p = 0; p < NP; ++p) {
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kNR);
+        if constexpr (OFFSET) offset[p] = load_half16(pn[p].m + (i0 / group) * kNR);
+      }
+    }
+#define STRAIT_PANEL(p)                                                                        \
+  if constexpr (NP > p) {                                                                      \
+    const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);                                    \
+    for (int t = 0; t < kChunk; ++t) {                                                         \
+      const int shift = BITS == 4 ? (t % 4) * 8 + (t / 4) * 4 : t * 8;                         \
+      const __m512i lv = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)),       \
+                                          BITS == 4 ? nibble : byte);                          \
+      __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lv, bias_q)), scale[p]);    \
+      if constexpr (OFFSET) w = _mm512_add_ps(w, offset[p]);                                   \
+      STRAIT_FMA_ROWS(p, w, i0 + t)                                                            \
+    }                                                                                          \
+  }
+    STRAIT_PANEL(0) STRAIT_PANEL(1) STRAIT_PANEL(2) STRAIT_PANEL(3)
+#undef STRAIT_PANEL
+  }
+#undef STRAIT_FMA_ROWS
+#undef STRAIT_FMA
+  const __m512 acc[8][4] = {{c0_0, c0_1, c0_2, c0_3}, {c1_0, c1_1, c1_2, c1_3},
+                            {c2_0, c2_1, c2_2, c2_3}, {c3_0, c3_1, c3_2, c3_3},
+                            {c4_0, c4_1, c4_2, c4_3}, {c5_0, c5_1, c5_2, c5_3},
+                            {c6_0, c6_1, c6_2, c6_3}, {c7_0, c7_1, c7_2, c7_3}};
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      float tmp[kNR];
+      _mm512_storeu_ps(tmp, acc[r][p]);
+      float* yr = y + r * ldy + p * kNR;
+      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
+    }
+  }
+}
+
+// ---- int8 activations: R rows x NP panels; xq [R, K] int8 (row stride ldq), xd and xs
+// [R, K / 32] (row stride K / 32): each row's block scales and sums of levels.
+template <int R, int NP, int BITS, bool OFFSET>
+inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int32_t* xs,
+                      const QPanelPtr* pn, int64_t k, int64_t group, float* y, int64_t ldy,
+                      const int64_t* cols, const float* const* bias) {
+  static_assert(R * NP <= 8, "too many accumulators");
+  const int64_t nb = k / kQB;
+  __m512 sum[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) sum[r][p] = _mm512_setzero_ps();
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
+  __m512 scale[NP], offset[NP];
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kQB;
+    if (i0 % group == 0) {
+      for (int p = 0; p < NP; ++p) {
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kNR);
+        // The block's constant term per unit of xd * sum(xq): m (Q4_1), -8d (Q4_0: levels are
+        // q - 8), -128d (8 bits: levels are stored + 128).
+        if constexpr (OFFSET)
+          offset[p] = load_half16(pn[p].m + (i0 / group) * kNR);
+        else
+          offset[p] = _mm512_mul_ps(scale[p], _mm512_set1_ps(BITS == 4 ? -8.f : -128.f));
+      }
+    }
+    __m512i dot[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) dot[r][p] = _mm512_setzero_si512();
+    if constexpr (BITS == 4) {
+      for (int64_t c = i0 / 8; c < (i0 + kQB) / 8; ++c) {  // 8 inputs per 64-byte chunk
+        for (int p = 0; p < NP; ++p) {
+          // One line ahead in each stream: a panel is only K / 8 lines, too short for the
+          // hardware prefetcher to ramp up (one row: 11 -> ? GB/s a core).
+          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * 64), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);
+          const __m512i lo = _mm512_and_si512(v, nibbles);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xq + r * ldq + c * 8;
+            int32_t x0, x1;
+            std::memcpy(&x0, xr, 4);
+            std::memcpy(&x1, xr + 4, 4);
+            dot[r][p] = dpbusd(dot[r][p], lo, _mm512_set1_epi32(x0));
+            dot[r][p] = dpbusd(dot[r][p], hi, _mm512_set1_epi32(x1));
+          }
+        }
+      }
+    } else {
+      for (int64_t c = i0 / 4; c < (i0 + kQB) / 4; ++c) {  // 4 inputs per 64-byte chunk
+        for (int p = 0; p < NP; ++p) {
+          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * 64), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0;
+            std::memcpy(&x0, xq + r * ldq + c * 4, 4);
+            dot[r][p] = dpbusd(dot[r][p], v, _mm512_set1_epi32(x0));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d_x = xd[r * nb + b];
+      const __m512 vxd = _mm512_set1_ps(d_x), vxs = _mm512_set1_ps(d_x * float(xs[r * nb + b]));
+      for (int p = 0; p < NP; ++p) {
+        sum[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_mul_ps(scale[p], vxd),
+                                    sum[r][p]);
+        sum[r][p] = _mm512_fmadd_ps(offset[p], vxs, sum[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      float tmp[kNR];
+      _mm512_storeu_ps(tmp, sum[r][p]);
+      float* yr = y + r * ldy + p * kNR;
+      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
+    }
+  }
+}
+
+// Quantise each row of x [M, K] in blocks of 32: xq int8 [M, K], xd [M, K / 32] (absmax /
+// 127, 0 for an all-zero block), xs [M, K / 32] (sum of the block's levels).
+inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd,
+                          int32_t* xs) {
+  const int64_t nb = k / kQB;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kQB;
+      const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float d = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512 vi = _mm512_set1_ps(inv);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a0, vi), _MM_FROUND_TO_NEAREST_INT));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a1, vi), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + b * kQB), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + b * kQB + 16), _mm512_cvtsepi32_epi8(q1));
+      xd[r * nb + b] = d;
+      xs[r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  }
+}
+
+// Rows [0, m) against panels [p0, p1) of one thread: four panels at a time for one row (four
+// independent chains), two for more rows; tiles of rows below the accumulator limit.
+template <int BITS, bool OFFSET>
+struct QLinear {
+  const float* x;
+  const int8_t* xq;
+  const float* xd;
+  const int32_t* xs;
+  int64_t m, k, n, group, panel_bytes, panel_scales;
+  const uint8_t* qp;
+  const uint16_t* dp;
+  const uint16_t* mp;
+  const float* bp;
+  float* yp;
+  bool exact;
+
+  template <int NP>
+  void panels_at(int64_t p) const {
+    QPanelPtr pn[NP];
+    int64_t cols[NP];
+    const float* bias[NP];
+    for (int j = 0; j < NP; ++j) {
+      pn[j] = {qp + (p + j) * panel_bytes, dp + (p + j) * panel_scales,
+               OFFSET ? mp + (p + j) * panel_scales : nullptr};
+      cols[j] = std::min(kNR, n - (p + j) * kNR);
+      bias[j] = bp ? bp + (p + j) * kNR : nullptr;
+    }
+    float* y = yp + p * kNR;
+    constexpr int rows_exact = 16 / NP > 8 ? 8 : 16 / NP;  // rows per tile
+    constexpr int rows_dot = 8 / NP;
+    int64_t r = 0;
+    if (exact) {
+      for (; r + rows_exact <= m; r += rows_exact)
+        qexact_tile<rows_exact, NP, BITS, OFFSET>(x + r * k, k, pn, k, group, y + r * n, n, cols, bias);
+      switch (m - r) {
+#define STRAIT_CASE(R) \
+  case R: if constexpr (R < rows_exact) qexact_tile<R, NP, BITS, OFFSET>(x + r * k, k, pn, k, group, y + r * n, n, cols, bias); break;
+        STRAIT_CASE(1) STRAIT_CASE(2) STRAIT_CASE(3) STRAIT_CASE(4) STRAIT_CASE(5) STRAIT_CASE(6) STRAIT_CASE(7)
+#undef STRAIT_CASE
+        default: break;
+      }
+      return;
+    }
+    const int64_t nb = k / kQB;
+    for (; r + rows_dot <= m; r += rows_dot)
+      qdot_tile<rows_dot, NP, BITS, OFFSET>(xq + r * k, k, xd + r * nb, xs + r * nb, pn, k, group,
+                                            y + r * n, n, cols, bias);
+    switch (m - r) {
+#define STRAIT_CASE(R) \
+  case R: if constexpr (R < rows_dot) qdot_tile<R, NP, BITS, OFFSET>(xq + r * k, k, xd + r * nb, xs + r * nb, pn, k, group, y + r * n, n, cols, bias); break;
+      STRAIT_CASE(1) STRAIT_CASE(2) STRAIT_CASE(3) STRAIT_CASE(4) STRAIT_CASE(5) STRAIT_CASE(6) STRAIT_CASE(7)
+#undef STRAIT_CASE
+      default: break;
+    }
+  }
+
+  void run(int64_t p0, int64_t p1) const {
+    int64_t p = p0;
+    if (m < 4)
+      for (; p + 4 <= p1; p += 4) panels_at<4>(p);
+    for (; p + 2 <= p1; p += 2) panels_at<2>(p);
+    for (; p < p1; ++p) panels_at<1>(p);
+  }
+};
+#endif
+
+// x [M, K] float32 . block-quantized weight (+ bias [N]) -> [M, N] float32. `bits` 4 or 8;
+// `act_bits` 32 (exact) or 8 (int8 activations, see above). Needs AVX-512 (+ VNNI for 8);
+// the Python side serves these formats through torch's ops elsewhere.
+torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, const torch::Tensor& mins, int64_t n,
+                           int64_t bits, int64_t group, int64_t act_bits,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(STRAIT_AVX512, "block_linear needs AVX-512");
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32, "x must be [M, K] f32");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(act_bits == 32 || (act_bits == 8 && STRAIT_VNNI), "act_bits must be 32 or 8 (VNNI)");
+  const auto x = input.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = qweight.size(0);
+  const int64_t chunk = bits == 4 ? 8 : 4;
+  TORCH_CHECK(group > 0 && group % chunk == 0 && k % group == 0 &&
+                  (act_bits == 32 || group % 32 == 0),
+              "K must be a multiple of group, group of 8 (4 bits) or 4 (8 bits), and of 32 "
+              "for int8 activations");
+  TORCH_CHECK(qweight.dim() == 4 && qweight.size(1) == k / chunk && qweight.size(2) == kNR &&
+                  qweight.size(3) == 4 && qweight.scalar_type() == torch::kByte &&
+                  qweight.is_contiguous(),
+              "qweight must be uint8 [P, K / 8 (4 bits) or K / 4 (8 bits), 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == panels && scales.size(1) == k / group &&
+                  scales.size(2) == kNR,
+              "scales must be fp16 [P, K / group, 16]");
+  const bool offset = mins.numel() > 0;
+  TORCH_CHECK(!offset || (bits == 4 && mins.sizes() == scales.sizes() &&
+                          mins.scalar_type() == torch::kHalf && mins.is_contiguous()),
+              "offsets (4 bits only) must be fp16 shaped like the scales");
+  TORCH_CHECK(panels * kNR >= n && (panels - 1) * kNR < n, "block_linear: N mismatch");
+  auto out = torch::empty({m, n}, x.options());
+#if STRAIT_AVX512
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    bp = b.data_ptr<float>();
+  }
+  torch::Tensor xq_t, xd_t, xs_t;
+  const bool exact = act_bits == 32;
+  if (!exact) {
+    TORCH_CHECK(k % kQB == 0, "int8 activations need K a multiple of 32");
+    xq_t = torch::empty({m, k}, x.options().dtype(torch::kChar));
+    xd_t = torch::empty({m, k / kQB}, x.options());
+    xs_t = torch::empty({m, k / kQB}, x.options().dtype(torch::kInt));
+    quantize_rows(x.data_ptr<float>(), m, k, xq_t.data_ptr<int8_t>(), xd_t.data_ptr<float>(),
+                  xs_t.data_ptr<int32_t>());
+  }
+  auto launch = [&](auto job) {
+    // Grain: whole groups of four panels per task, so one row keeps its four chains.
+    at::parallel_for(0, (panels + 3) / 4, 1, [&](int64_t t0, int64_t t1) {
+      job.run(4 * t0, std::min(panels, 4 * t1));
+    });
+  };
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const uint16_t* mp = offset ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  const int64_t panel_bytes = (k / chunk) * 64, panel_scales = (k / group) * kNR;
+  const int8_t* xq = exact ? nullptr : xq_t.data_ptr<int8_t>();
+  const float* xd = exact ? nullptr : xd_t.data_ptr<float>();
+  const int32_t* xs = exact ? nullptr : xs_t.data_ptr<int32_t>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  if (bits == 8)
+    launch(QLinear<8, false>{xp, xq, xd, xs, m, k, n, group, panel_bytes, panel_scales, qp, dp,
+                             nullptr, bp, yp, exact});
+  else if (offset)
+    launch(QLinear<4, true>{xp, xq, xd, xs, m, k, n, group, panel_bytes, panel_scales, qp, dp, mp,
+                            bp, yp, exact});
+  else
+    launch(QLinear<4, false>{xp, xq, xd, xs, m, k, n, group, panel_bytes, panel_scales, qp, dp,
+                             nullptr, bp, yp, exact});
+#endif
   return out;
 }
 
@@ -709,12 +1067,16 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 TORCH_LIBRARY(strait, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def(
+      "block_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int n, int bits, "
+      "int group, int act_bits, Tensor? bias) -> Tensor");
+  m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv, int layer, "
       "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(strait, CPU, m) {
   m.impl("packed_linear", &packed_linear);
+  m.impl("block_linear", &block_linear);
   m.impl("paged_attention", &paged_attention);
 }
 #endif
@@ -722,6 +1084,8 @@ TORCH_LIBRARY_IMPL(strait, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "w [N, K] -> packed [ceil(N/16), K, 16]");
   m.def("packed_linear", &packed_linear, "x [M, K] . packed weight (+ bias) -> [M, N]");
+  m.def("block_linear", &block_linear,
+        "x [M, K] . block-quantized weight (4 or 8 bits, fp16 scales) (+ bias) -> [M, N]");
   m.def("paged_row_attention", &paged_row_attention,
         "one query row per token over its sequence's KV blocks");
   m.def("paged_attention", &paged_attention,
@@ -729,4 +1093,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "logits [S, V] -> [S] int64, as torch.argmax(-1)");
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
   m.attr("avx512") = static_cast<bool>(STRAIT_AVX512);
+  m.attr("vnni") = static_cast<bool>(STRAIT_VNNI);
 }

@@ -27,6 +27,20 @@ def register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [M, K] -> [M, n]
 
+    @torch.library.register_fake("strait::block_linear")  # type: ignore[misc]
+    def _block_linear(
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        n: int,
+        bits: int,
+        group: int,
+        act_bits: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [M, K] -> [M, n]
+
     @torch.library.register_fake("strait::paged_attention")  # type: ignore[misc]
     def _paged_attention(
         query: torch.Tensor,

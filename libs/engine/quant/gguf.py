@@ -5,11 +5,11 @@
 directory converted from the GGUF (``libs.models.convert``, whose marker names the source file),
 and every linear is rebuilt from the GGUF's own tensor:
 
-- 4-bit blocks map exactly onto torch's int4 kernel, ``w = (q - 8) * scale + zero`` per group
-  of 32 (:class:`~libs.engine.quant.int4.Int4Linear`); only scale and zero are rounded to bf16:
-  Q4_0 ``(q - 8) * d``: scale ``d``, zero 0; Q4_1 ``q * d + m``: scale ``d``, zero ``m + 8d``;
-  Q4_K ``q * d * sc - dmin * mn`` per 32 of a 256-superblock: scale ``d * sc``, zero
-  ``8 * d * sc - dmin * mn``;
+- Q4_0, Q4_1 and Q8_0 (fp16 scales and offsets per 32 inputs) are served as stored by
+  Strait's kernel where it runs (:class:`~libs.engine.quant.blocks.BlockLinear`: the float32
+  model's own numbers), else by torch's int4 / int8 kernels (bf16 activations);
+- Q4_K (``q * d * sc - dmin * mn`` per 32 of a 256-superblock) by torch's int4 kernel:
+  scale ``d * sc``, zero ``8 * d * sc - dmin * mn``, rounded to bf16;
 - any other block type (Q8_0, Q6_K, Q5_*...) has no maintained kernel for its group-wise
   scales: it is dequantised with the ``gguf`` package and re-quantised to int8 with one scale
   per row (:class:`~libs.engine.quant.int8.Int8Linear`; bf16 through ``F.linear`` read the
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from libs.engine.quant.base import WeightOnlyLinear
-from libs.engine.quant.int4 import Int4Linear
+from libs.engine.quant.blocks import BlockLinear, Blocks, make_linear
 from libs.engine.quant.int8 import Int8Linear
 
 log = logging.getLogger("strait.engine")
@@ -84,22 +84,25 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def decode_4bit(kind: str, raw: np.ndarray, in_features: int) -> tuple[Any, Any, Any]:
-    """``raw [out, bytes per row]`` of a 4-bit type → (q ``[out, in]`` 0..15, scale, zero
-    ``[out, in / 32]`` float32) with ``w = (q - 8) * scale + zero``."""
+# Block types whose scales (and offsets) are fp16 values: served exactly by Strait's kernel.
+EXACT = ("Q4_0", "Q4_1", "Q8_0")
+DECODED = (*EXACT, "Q4_K")
+
+
+def decode_blocks(kind: str, raw: np.ndarray, in_features: int) -> Blocks:
+    """``raw [out, bytes per row]`` of a GGUF block type → :class:`Blocks` (same numbers)."""
     out = raw.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         b = raw.reshape(out, in_features // 32, size)
         d = _f16(b[..., 0:2])
-        if kind == "Q4_0":
-            zero = torch.zeros_like(d)
-            qs = b[..., 2:18]
-        else:
-            zero = _f16(b[..., 2:4]) + 8 * d
-            qs = b[..., 4:20]
-        q = torch.from_numpy(_nibbles(qs).reshape(out, in_features))
-        return q, d, zero
+        m = _f16(b[..., 2:4]) if kind == "Q4_1" else None  # Q4_0: (q - 8) * d
+        q = torch.from_numpy(_nibbles(b[..., size - 16 : size]).reshape(out, in_features))
+        return Blocks(q, d, m, 4, 32)
+    if kind == "Q8_0":
+        b = raw.reshape(out, in_features // 32, 34)
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(out, -1))
+        return Blocks(q, _f16(b[..., 0:2]), None, 8, 32)
     if kind == "Q4_K":
         b = raw.reshape(out, in_features // 256, 144)
         d = _f16(b[..., 0:2])[..., None]  # [out, S, 1]
@@ -113,16 +116,10 @@ def decode_4bit(kind: str, raw: np.ndarray, in_features: int) -> tuple[Any, Any,
         # Chunk c of 64 elements: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
         levels = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(out, in_features)
         scale = d * torch.from_numpy(sc.astype(np.float32))  # [out, S, 8]
-        zero = 8 * scale - dmin * torch.from_numpy(mn.astype(np.float32))
-        return (
-            torch.from_numpy(np.ascontiguousarray(levels)),
-            scale.reshape(out, -1),
-            zero.reshape(out, -1),
-        )
-    raise ValueError(f"not a 4-bit block type: {kind}")
-
-
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+        offset = -(dmin * torch.from_numpy(mn.astype(np.float32)))
+        q = torch.from_numpy(np.ascontiguousarray(levels))
+        return Blocks(q, scale.reshape(out, -1), offset.reshape(out, -1), 4, 32)
+    raise ValueError(f"no decoder for GGUF block type {kind}")
 
 
 def _rope_unpermute(n_rows: int, n_head: int) -> torch.Tensor:
@@ -157,6 +154,8 @@ class GgufWeights:
         config: Any,
         bias: torch.Tensor | None,
         device: torch.device,
+        kernels: Any | None,
+        act_bits: int = 32,
     ) -> tuple[WeightOnlyLinear, torch.Tensor]:
         """The layer for GGUF tensor ``name`` (HF linear ``module_name``), in HF's row order,
         and the float32 weight the file's blocks hold (before any bf16 rounding), on the CPU."""
@@ -172,16 +171,18 @@ class GgufWeights:
                 heads = getattr(config, "num_key_value_heads", None) or heads
             order = _rope_unpermute(out_features, heads)
         raw = np.asarray(t.data).reshape(out_features, -1)
-        if kind in FOUR_BIT:
-            q, scale, zero = decode_4bit(kind, raw, in_features)
+        if kind in DECODED:
+            blocks = decode_blocks(kind, raw, in_features)
             if order is not None:
-                q, scale, zero = q[order], scale[order], zero[order]
-            layer: WeightOnlyLinear = Int4Linear(
-                q.to(device), scale.to(device), zero.to(device), 32, bias
-            )
-            layer.kind = f"gguf-{kind.lower()}"
-            ref = (q.float() - 8).view(out_features, -1, 32) * scale[..., None] + zero[..., None]
-            return layer, ref.flatten(1)
+                m = None if blocks.m is None else blocks.m[order]
+                blocks = Blocks(blocks.q[order], blocks.d[order], m, blocks.bits, blocks.group)
+            # Q4_K's scales (d × a 6-bit factor) are not fp16 values: torch's int4 kernel.
+            layer = make_linear(blocks, bias, kernels if kind in EXACT else None, device, act_bits)
+            if isinstance(layer, BlockLinear):
+                layer.kind = f"gguf-{kind.lower()}" + ("-a8" if layer.act_bits == 8 else "")
+            else:
+                layer.kind = f"gguf-{kind.lower()}-torch"
+            return layer, blocks.dequantized()
         w = torch.from_numpy(np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32))
         w = w.reshape(out_features, in_features)
         if order is not None:
@@ -191,7 +192,9 @@ class GgufWeights:
         return layer, w
 
 
-def gguf_linears(model: nn.Module, model_dir: str | Path) -> dict[str, WeightOnlyLinear]:
+def gguf_linears(
+    model: nn.Module, model_dir: str | Path, kernels: Any | None = None, act_bits: int = 32
+) -> dict[str, WeightOnlyLinear]:
     """A :class:`WeightOnlyLinear` from the source GGUF for every linear of ``model`` (name →
     layer); raises when the directory was not converted from a GGUF, or a tensor is missing or
     does not match the converted weight."""
@@ -213,7 +216,9 @@ def gguf_linears(model: nn.Module, model_dir: str | Path) -> dict[str, WeightOnl
             name = "token_embd.weight"  # tied embeddings: the GGUF holds one copy
         if name is None or name not in weights.tensors:
             raise ValueError(f"{path.name} holds no tensor for {module_name} (looked for {name})")
-        layer, ref = weights.linear(name, module_name, config, module.bias, module.weight.device)
+        layer, ref = weights.linear(
+            name, module_name, config, module.bias, module.weight.device, kernels, act_bits
+        )
         w = module.weight.detach().float().cpu()
         if ref.shape != w.shape:
             raise ValueError(f"{name} is {tuple(ref.shape)}, {module_name} is {tuple(w.shape)}")

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from libs.engine import quant
 from libs.engine.engine import LLMEngine
-from libs.engine.quant.gguf import FOUR_BIT, decode_4bit, gguf_tensor_name
+from libs.engine.quant.gguf import DECODED, EXACT, decode_blocks, gguf_tensor_name
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings, Settings, model_identity
 from tests.unit.engine.helpers import (
@@ -37,35 +38,90 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 
-def _dequant_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    out, n = q.shape
-    g = n // scale.shape[1]
-    w = (q.float() - 8).view(out, -1, g) * scale[..., None] + zero[..., None]
-    return w.view(out, n)
+def _kernels():  # type: ignore[no-untyped-def]
+    from libs.engine import kernels
+
+    k = kernels.load("auto", "cpu", "float32")
+    if k is None or not k.avx512:
+        if os.environ.get("CI") == "true" and k is None:
+            pytest.fail("the CPU kernels did not build")
+        pytest.skip("Strait's block kernel needs AVX-512")
+    return k
 
 
-def test_int4_and_int8_layers_compute_their_stored_weights() -> None:
+@pytest.mark.parametrize(("bits", "offsets"), [(4, True), (4, False), (8, False)])
+def test_block_kernel_gives_the_float_kernels_bits(bits: int, offsets: bool) -> None:
+    """Served from its levels, a block-quantized linear computes exactly what the float32
+    packed kernel computes over the dequantised weights, at every row count."""
+    k = _kernels()
+    torch.manual_seed(0)
+    n, kk, group = 100, 96, 32  # 100 outputs: a partial last panel
+    q = torch.randint(0, 16, (n, kk)) if bits == 4 else torch.randint(-128, 128, (n, kk))
+    d = quant.blocks.fp16_exact(torch.rand(n, kk // group) * 0.05 + 1e-3)
+    m = quant.blocks.fp16_exact(torch.randn(n, kk // group) * 0.1) if offsets else None
+    blocks = quant.Blocks(q, d, m, bits, group)
+    bias = torch.randn(n)
+    layer = quant.BlockLinear(blocks, bias, k)
+    packed = k.pack_weight(blocks.dequantized())
+    for rows in (1, 2, 5, 12, 13, 32):
+        x = torch.randn(rows, kk)
+        assert torch.equal(layer(x), k.packed_linear(x, packed, n, bias)), rows
+    # torch's kernels for the same blocks (CUDA, no AVX-512): bf16 activations, close.
+    fallback = quant.blocks.make_linear(blocks, bias, None, torch.device("cpu"))
+    x = torch.randn(7, kk)
+    ref = x @ blocks.dequantized().t() + bias
+    assert torch.allclose(fallback(x), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+def _int8_activation_reference(x: torch.Tensor, blocks: quant.Blocks) -> torch.Tensor:
+    """What the int8-activation path computes, in float64: x rounded per 32 inputs to
+    absmax / 127 levels, times the exact weights."""
+    r, kk = x.shape
+    xb = x.view(r, kk // 32, 32)
+    xd = xb.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(xd > 0, torch.round(xb / xd), torch.zeros_like(xb)) * xd
+    return xq.view(r, kk).double() @ blocks.dequantized().double().t()
+
+
+@pytest.mark.parametrize(("bits", "offsets"), [(4, True), (4, False), (8, False)])
+def test_block_kernel_with_int8_activations_is_llama_cpps_arithmetic(
+    bits: int, offsets: bool
+) -> None:
+    """Integer dot products of levels and int8 activation blocks: equal (to float32 rounding)
+    to the float64 product of the rounded activations and the exact weights; and a row's
+    result does not depend on the other rows of its batch."""
+    k = _kernels()
+    if not k.vnni:
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    torch.manual_seed(1)
+    n, kk, group = 100, 128, 64 if bits == 4 else 128
+    q = torch.randint(0, 16, (n, kk)) if bits == 4 else torch.randint(-128, 128, (n, kk))
+    d = quant.blocks.fp16_exact(torch.rand(n, kk // group) * 0.05 + 1e-3)
+    m = quant.blocks.fp16_exact(torch.randn(n, kk // group) * 0.1) if offsets else None
+    blocks = quant.Blocks(q, d, m, bits, group)
+    bias = torch.randn(n)
+    layer = quant.BlockLinear(blocks, bias, k, act_bits=8)
+    x = torch.randn(32, kk)
+    x[3, :32] = 0.0  # an all-zero block
+    y = layer(x)
+    ref = _int8_activation_reference(x, blocks) + bias.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 5, 9):
+        assert torch.equal(layer(x[:rows]), y[:rows]), rows
+
+
+def test_int4_and_int8_quantisers_stay_within_half_a_level() -> None:
     torch.manual_seed(0)
     w = torch.randn(96, 128)
-    x = torch.randn(5, 128)
     for group in (32, 64):
-        layer = quant.Int4Linear.from_float(w, group)
-        sz = layer.scales_zeros.float()  # [in / group, out, 2]
-        # Reconstruct q from the float weights the same way, then compare the layer's output
-        # with x_bf16 @ dequantised weights (the kernel's own rounding: bf16 output).
-        scale, zero = sz[..., 0].t(), sz[..., 1].t()
-        q = torch.round((w.view(96, -1, group) - (zero - 8 * scale)[..., None]) / scale[..., None])
-        deq = _dequant_int4(q.clamp(0, 15).view(96, 128), scale, zero)
-        assert (deq - w).abs().max() <= scale.max() * 0.51  # within half a level
-        ref = x.bfloat16().float() @ deq.t()
-        y = layer(x)
-        assert y.dtype == torch.float32 and y.shape == (5, 96)
-        assert torch.allclose(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    layer8 = quant.Int8Linear.from_float(w)
-    deq8 = layer8.q.float() * layer8.scale.float()[:, None]
-    assert (deq8 - w).abs().max() <= layer8.scale.float().max() * 0.51
-    ref8 = x.bfloat16().float() @ deq8.t()
-    assert torch.allclose(layer8(x), ref8, rtol=2e-2, atol=2e-2 * ref8.abs().max().item())
+        b = quant.int4.int4_blocks(w, group)
+        assert b.q.min() >= 0 and b.q.max() <= 15
+        err = (b.dequantized() - w).abs().view(96, -1, group).amax(-1)
+        assert (err <= b.d * 0.51 + 1e-6).all()
+    b8 = quant.int8.int8_blocks(w)
+    assert b8.group == 128 and b8.d.shape == (96, 1)
+    inside = w.abs() <= 127 * b8.d  # not clipped by the clip search
+    assert ((b8.dequantized() - w).abs()[inside] <= (b8.d.expand_as(w) * 0.51)[inside]).all()
 
 
 def _random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -78,18 +134,19 @@ def _random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", FOUR_BIT)
-def test_gguf_4bit_blocks_decode_exactly_as_the_gguf_package(kind: str) -> None:
+@pytest.mark.parametrize("kind", DECODED)
+def test_gguf_blocks_decode_as_the_gguf_package_dequantises(kind: str) -> None:
     rows, cols = 16, 512
     if kind == "Q4_K":
         raw = _random_q4k(rows, cols)
     else:
         raw = quantize(np.random.default_rng(1).standard_normal((rows, cols), np.float32), T[kind])
-    q, scale, zero = decode_4bit(kind, raw, cols)
-    assert q.shape == (rows, cols) and int(q.min()) >= 0 and int(q.max()) <= 15
-    ours = _dequant_int4(q, scale, zero)
+    blocks = decode_blocks(kind, raw, cols)
     theirs = torch.from_numpy(dequantize(raw, T[kind]).astype(np.float32))
-    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    if kind in EXACT:  # the same roundings in the same order: the same bits
+        assert torch.equal(blocks.dequantized(), theirs)
+    else:
+        assert torch.allclose(blocks.dequantized(), theirs, rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------ a tiny GGUF
@@ -142,8 +199,9 @@ def test_gguf_layers_match_the_converted_model_and_a_foreign_file_is_refused(
         ref = model(ids).logits
     served = tiny_model("llama")
     served.load_state_dict(model.state_dict())
-    report = quant.quantize_model(served, tmp_path / "tiny", EngineSettings(quantization="gguf"))
-    assert report.layers == {"gguf-q4_1": 15}  # 2 layers × 7 + lm_head
+    torch_kernels = EngineSettings(quantization="gguf", cpu_kernels="off")
+    report = quant.quantize_model(served, tmp_path / "tiny", torch_kernels)
+    assert report.layers == {"gguf-q4_1-torch": 15}  # 2 layers × 7 + lm_head
     with torch.inference_mode():
         out = served(ids).logits
     # bf16 activations around exact 4-bit weights: close to the float model, not equal.
@@ -173,23 +231,25 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "quantization", "cpu_kernels"),
+    ("arch", "quantization", "cpu_kernels", "acts"),
     [
-        ("llama", "gguf", "on"),
-        ("llama", "gguf", "off"),
-        ("llama", "int4", "on"),
-        ("qwen2", "int4", "on"),  # biased projections
-        ("llama", "int8", "on"),
-        ("qwen2", "int8", "off"),
+        ("llama", "gguf", "on", "int8"),
+        ("llama", "gguf", "off", "int8"),  # torch's kernels: bf16 activations
+        ("llama", "int4", "on", "int8"),
+        ("qwen2", "int4", "on", "float32"),  # biased projections
+        ("llama", "int8", "on", "int8"),
+        ("mistral", "int8", "on", "float32"),
+        ("qwen2", "int8", "off", "int8"),
     ],
 )
 def test_greedy_within_a_format_matches_generate_of_that_format(
-    arch: str, quantization: str, cpu_kernels: str, tmp_path: Path
+    arch: str, quantization: str, cpu_kernels: str, acts: str, tmp_path: Path
 ) -> None:
     model = tiny_model(arch)
     if quantization == "gguf":
         write_tiny_gguf(model, tmp_path / "tiny")
-    quant.quantize_model(model, tmp_path / "tiny", EngineSettings(quantization=quantization))
+    fmt = EngineSettings(quantization=quantization, cpu_kernels=cpu_kernels, quant_activations=acts)
+    quant.quantize_model(model, tmp_path / "tiny", fmt)
     ps = prompts()
     refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
     settings = engine_settings(
@@ -201,6 +261,7 @@ def test_greedy_within_a_format_matches_generate_of_that_format(
         max_num_seqs=6,
         cpu_kernels=cpu_kernels,
         quantization=quantization,
+        quant_activations=acts,
     )
     engine = LLMEngine(model, None, settings, "tiny")
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -216,10 +277,18 @@ def test_greedy_within_a_format_matches_generate_of_that_format(
 def test_the_weights_format_is_part_of_the_model_identity() -> None:
     name = "smollm2-135m-instruct"
     assert model_identity(name, EngineSettings()) == name
-    assert model_identity(name, EngineSettings(quantization="gguf")) == f"{name}@gguf"
+    assert model_identity(name, EngineSettings(quantization="gguf")) == f"{name}@gguf+a8"
+    exact = EngineSettings(quantization="gguf", quant_activations="float32")
+    assert model_identity(name, exact) == f"{name}@gguf"
     assert (
         model_identity(
-            name, EngineSettings(quantization="int4", quant_group_size=64, dtype="bfloat16")
+            name,
+            EngineSettings(
+                quantization="int4",
+                quant_group_size=64,
+                dtype="bfloat16",
+                quant_activations="float32",
+            ),
         )
         == f"{name}@int4-g64+bfloat16"
     )
@@ -245,7 +314,12 @@ def test_narrow_kv_and_bf16_activations_batched_equal_one_at_a_time(
     """Where no float32 reference exists (bf16 activations, a narrower KV cache), the batched,
     chunked, preempting engine answers as the same format serving one request at a time."""
     model = tiny_model("llama")
-    fmt = EngineSettings(quantization=quantization, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    fmt = EngineSettings(
+        quantization=quantization,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        cpu_kernels=cpu_kernels,
+    )
     quant.quantize_model(model, "", fmt)
     if dtype != "float32":
         quant.cast_parameters(model, torch.bfloat16)
@@ -288,3 +362,32 @@ def test_narrow_kv_and_bf16_activations_batched_equal_one_at_a_time(
         assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
     assert batched.scheduler.num_preemptions > 0
     assert batched.pool.num_used == 0
+
+
+def test_gguf_on_the_block_kernel_answers_as_the_float_model(tmp_path: Path) -> None:
+    """Served from its Q4_1 blocks by Strait's kernel, a model gives the tokens of the float32
+    model converted from the same GGUF (its ``generate``), batched, chunked and preempted."""
+    _kernels()
+    model = tiny_model("llama")
+    write_tiny_gguf(model, tmp_path / "tiny")  # model now holds the dequantised weights
+    ps = prompts()
+    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
+    fmt = EngineSettings(quantization="gguf", cpu_kernels="on", quant_activations="float32")
+    report = quant.quantize_model(model, tmp_path / "tiny", fmt)
+    assert report.layers == {"gguf-q4_1": 15}
+    settings = engine_settings(
+        model,
+        num_blocks=20,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        cpu_kernels="on",
+        quantization="gguf",
+        quant_activations="float32",
+    )
+    engine = LLMEngine(model, None, settings, "tiny")
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
+    results = run_engine(engine, subs)
+    for i in range(len(ps)):
+        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
+    assert engine.scheduler.num_preemptions > 0

@@ -1,0 +1,164 @@
+"""Block-quantized weights, served from their levels by Strait's CPU kernel or torch's ops.
+
+Every format's builder (``gguf``, ``int4``, ``int8``) describes each linear as :class:`Blocks`
+(levels, fp16 scales and offsets per group of inputs, in the model's row order), and
+:func:`make_linear` picks the layer that serves it:
+
+- :class:`BlockLinear` — Strait's ``block_linear`` kernel (AVX-512 CPUs, float32 models):
+  float32 activations, each weight widened in registers exactly as the ``gguf`` package
+  dequantises it, so a model served from a GGUF's Q4_0 / Q4_1 / Q8_0 blocks gives the bits of
+  the float32 model converted from that GGUF (docs/decisions/0009-block-quantized-kernel.md);
+- elsewhere (CUDA, CPUs without AVX-512, bf16 models): torch's weight-only ops on bf16
+  activations, :class:`~libs.engine.quant.int4.Int4Linear` (``_weight_int4pack_mm``) for
+  4-bit levels and :class:`~libs.engine.quant.int8.Int8Linear` (``_weight_int8pack_mm``, one
+  scale per row: group-wise 8-bit blocks are re-quantised per row) for 8-bit ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from libs.engine.quant.base import WeightOnlyLinear
+
+PANEL = 16  # output columns per panel (cpu_kernels.cpp kNR)
+FP16_TINY = 2.0**-14  # smallest normal fp16: scales never round to zero or lose bits
+
+
+@dataclass(slots=True)
+class Blocks:
+    """One linear's weights, per group of ``group`` inputs with scale ``d`` (and offset ``m``):
+    4 bits ``w = q * d + m`` (Q4_1), or ``(q - 8) * d`` without offsets (Q4_0); 8 bits
+    ``w = q * d`` (Q8_0). Each product and sum is rounded to float32 in that order, as the
+    ``gguf`` package dequantises."""
+
+    q: torch.Tensor  # [N, K] integer levels: 0..15 (4 bits) or -128..127 (8 bits)
+    d: torch.Tensor  # [N, K / group] float32, each exactly an fp16 value
+    m: torch.Tensor | None  # like d (4 bits only); None: no offsets
+    bits: int  # 4 or 8
+    group: int
+
+    def dequantized(self) -> torch.Tensor:
+        """``[N, K]`` float32, rounded as the kernel and the ``gguf`` package round."""
+        n, k = self.q.shape
+        q = self.q.float() - (8 if self.bits == 4 and self.m is None else 0)
+        w = q.view(n, -1, self.group) * self.d[..., None]
+        if self.m is not None:
+            w = w + self.m[..., None]
+        return w.view(n, k)
+
+
+def fp16_exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest fp16 value, as float32."""
+    return t.to(torch.float16).float()
+
+
+def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (``cpu_kernels.cpp``, "block-quantized linear"): levels uint8
+    ``[P, K / 8, 16, 4]`` (4 bits: byte ``(c, j, t)`` = ``q[j, 8c + t] | q[j, 8c + 4 + t] << 4``)
+    or ``[P, K / 4, 16, 4]`` (8 bits: ``q[j, 4c + t] + 128``), scales and offsets fp16
+    ``[P, K / group, 16]`` (offsets empty when there are none); rows padded with zeros to a
+    multiple of 16."""
+    n, k = blocks.q.shape
+    pad = -n % PANEL
+    q = torch.nn.functional.pad(blocks.q.to(torch.int32), (0, 0, 0, pad))
+    panels = (n + pad) // PANEL
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N', C] -> [P, C, 16]
+        return t.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+    if blocks.bits == 4:
+        halves = q.view(n + pad, k // 8, 2, 4)  # [N', chunk, low / high nibble, t]
+        packed = halves[:, :, 0] | halves[:, :, 1] << 4  # [N', K / 8, 4]
+    else:
+        packed = (q + 128).view(n + pad, k // 4, 4)
+    # [N', C, 4] -> [P, 16, C, 4] -> [P, C, 16, 4]
+    qweight = packed.to(torch.uint8).view(panels, PANEL, -1, 4).transpose(1, 2).contiguous()
+    d = torch.nn.functional.pad(blocks.d, (0, 0, 0, pad))
+    scales = by_panel(d.to(torch.float16))
+    mins = torch.empty(0, dtype=torch.float16)
+    if blocks.m is not None:
+        mins = by_panel(torch.nn.functional.pad(blocks.m, (0, 0, 0, pad)).to(torch.float16))
+    return qweight, scales, mins
+
+
+class BlockLinear(WeightOnlyLinear):
+    """Levels and fp16 scales in the kernel's panels; float32 activations in and out."""
+
+    qweight: torch.Tensor  # [P, K / 8, 16, 4] (4 bits) or [P, K / 4, 16, 4] (8 bits) uint8
+    scales: torch.Tensor  # [P, K / group, 16] float16
+    mins: torch.Tensor  # [P, K / group, 16] float16, or empty (8 bits)
+
+    def __init__(
+        self, blocks: Blocks, bias: torch.Tensor | None, kernels: Any, act_bits: int = 32
+    ) -> None:
+        out_features, in_features = blocks.q.shape
+        super().__init__(in_features, out_features, bias)
+        self.kernels = kernels
+        self.bits = blocks.bits
+        self.group = blocks.group
+        # 32: float32 activations, the float model's bits; 8: int8 activation blocks (VNNI).
+        self.act_bits = act_bits
+        self.kind = f"block-q{blocks.bits}-g{blocks.group}" + ("-a8" if act_bits == 8 else "")
+        qweight, scales, mins = pack(blocks)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        args = (
+            x2,
+            self.qweight,
+            self.scales,
+            self.mins,
+            self.out_features,
+            self.bits,
+            self.group,
+            self.act_bits,
+        )
+        if torch.compiler.is_compiling():
+            y = torch.ops.strait.block_linear(*args, self.bias)
+        else:
+            y = self.kernels.block_linear(*args, self.bias)
+        return y.view(*lead, self.out_features)
+
+
+def kernel_serves(kernels: Any, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when :class:`BlockLinear` can serve a model in ``dtype`` on ``device``."""
+    return (
+        kernels is not None
+        and bool(getattr(kernels, "avx512", False))
+        and dtype == torch.float32
+        and device.type == "cpu"
+    )
+
+
+def make_linear(
+    blocks: Blocks,
+    bias: torch.Tensor | None,
+    kernels: Any | None,
+    device: torch.device,
+    act_bits: int = 32,
+) -> WeightOnlyLinear:
+    """The layer serving ``blocks`` (see the module docstring for which); built on
+    ``device``. ``kernels``: the loaded CPU kernels when :func:`kernel_serves`, else None."""
+    from libs.engine.quant.int4 import Int4Linear
+    from libs.engine.quant.int8 import Int8Linear
+
+    if kernels is not None:
+        # int8 activation blocks need VNNI and groups of 32 inputs; else the exact path.
+        if act_bits == 8 and not (getattr(kernels, "vnni", False) and blocks.group % 32 == 0):
+            act_bits = 32
+        return BlockLinear(blocks, bias, kernels, act_bits)
+    if blocks.bits == 4:  # torch's formula: (q - 8) * scale + zero
+        zero = blocks.m + 8 * blocks.d if blocks.m is not None else torch.zeros_like(blocks.d)
+        return Int4Linear(
+            blocks.q.to(device), blocks.d.to(device), zero.to(device), blocks.group, bias
+        )
+    if blocks.group == blocks.q.shape[1] and blocks.m is None:  # one scale per row already
+        return Int8Linear(blocks.q.to(device), blocks.d[:, 0].to(device), bias)
+    return Int8Linear.from_float(blocks.dequantized().to(device), bias)
