@@ -72,6 +72,8 @@ class Report:
     settings: dict[str, Any] = field(default_factory=dict)
     # (GFLOP/s, GB/s) measured before the levels and after them
     ceilings_measured: list[tuple[float, float]] = field(default_factory=list)
+    # concurrency -> the decode step's split (step_split), ms
+    splits: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- machine ceilings
@@ -207,6 +209,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="")
     p.add_argument(
         "--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default=""
+    )
+    p.add_argument(
+        "--no-split",
+        action="store_true",
+        help="skip the profiled pass that splits a decode step into linears, attention, rest",
     )
     p.add_argument(
         "--profile",
@@ -350,6 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     set_ceilings(report, measure_matmul_gflops(), measure_bandwidth_gb_s())
     print_table(report)
 
+    if not args.no_split:
+        for c in levels:
+            split = step_split(engine, tokenizer, c, args.prompt_tokens)
+            report.splits[str(c)] = split
+            print(
+                f"decode step at concurrency {c} (profiled pass, not part of the figures): "
+                + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()),
+                flush=True,
+            )
+
     if args.profile:
         # A separate, unmeasured pass: the profiler's overhead must not reach the figures.
         from torch.profiler import ProfilerActivity, profile
@@ -370,6 +387,56 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(asdict(report), indent=2))
     print(f"wrote {out}")
     return 0
+
+
+# Profiler op names -> the part of a step they are (self CPU time; everything else the forward
+# runs is "other ops", and wall time no op accounts for is Python and the framework).
+SPLIT_PARTS = {
+    "linears": (
+        "strait::block_linear",
+        "strait::packed_linear",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "aten::_weight_int8pack_mm",
+        "aten::mm",
+        "aten::addmm",
+        "aten::linear",
+    ),
+    "attention": ("strait::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+}
+
+
+def step_split(engine: Any, tokenizer: Any, c: int, prompt_tokens: int) -> dict[str, float]:
+    """Where one decode step's time goes at concurrency ``c``: ms per step of linears,
+    attention, other ops, and the rest of the wall time (Python, dispatch, framework), from
+    ``torch.profiler`` over 16 decode steps (a separate pass; its overhead inflates "rest")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from libs.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(make_prompts(tokenizer, c, prompt_tokens, tag="Split. ")):
+        engine.add_request(f"split-{c}-{i}", p, params)
+    while engine.scheduler.num_waiting or any(s.is_prefilling for s in engine.scheduler.running):
+        engine.step()
+    n = 16
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        wall = (time.perf_counter() - t0) / n * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    parts = dict.fromkeys(SPLIT_PARTS, 0.0)
+    ops = 0.0
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1e3 / n
+        # The compiled graph's own time is its fused kernels: "other ops".
+        ops += ms
+        for part, names in SPLIT_PARTS.items():
+            if e.key in names:
+                parts[part] += ms
+    other = ops - sum(parts.values())
+    return {"step": wall, **parts, "other ops": other, "rest": max(wall - ops, 0.0)}
 
 
 def set_ceilings(r: Report, gflops: float, bw: float) -> None:

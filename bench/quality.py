@@ -1,6 +1,7 @@
 """What each weight format costs in quality: ``strait bench quality`` / ``python -m bench.quality``.
 
-For every format given (``--formats``; each ``quantization[:dtype[:kv_cache_dtype]]``), on one
+For every format given (``--formats``; each ``quantization`` with optional ``+field=value``
+engine settings, e.g. ``gguf+quant_activations=float32``, ``none+dtype=bfloat16``), on one
 model, against ``none`` (the float32 weights of the same model, i.e. the converted GGUF):
 
 - **perplexity** over a fixed text (``tests/data/quality.txt`` by default), in non-overlapping
@@ -29,7 +30,10 @@ import torch
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quality.txt"
 KV_CACHE_BYTES = 512 * 2**20  # room for every prompt and answer at once (SmolLM2: ~180 MB)
-DEFAULT_FORMATS = "none,gguf,int8,int4,none:bfloat16,gguf:float32:bfloat16"
+DEFAULT_FORMATS = (
+    "none,gguf,gguf+quant_activations=float32,int8,int4,none+dtype=bfloat16,"
+    "gguf+kv_cache_dtype=bfloat16"
+)
 # Relative perplexity increase allowed per quantization (issue 25); bf16 activations: 2%.
 BOUNDS = {"gguf": 0.005, "int8": 0.01, "int4": 0.02, "bfloat16": 0.02}
 
@@ -44,7 +48,7 @@ TOPICS = [
 
 @dataclass
 class FormatResult:
-    name: str  # quantization[:dtype[:kv]]
+    name: str  # quantization[+field=value...]
     weights: str  # the runner's summary: layer kinds and bytes read a step
     perplexity: float
     perplexity_delta: float  # relative to float32 (0.004 = +0.4%)
@@ -56,12 +60,12 @@ class FormatResult:
 
 
 def parse_format(spec: str) -> dict[str, str]:
-    parts = spec.split(":")
-    out = {"quantization": parts[0]}
-    if len(parts) > 1:
-        out["dtype"] = parts[1]
-    if len(parts) > 2:
-        out["kv_cache_dtype"] = parts[2]
+    """``gguf+quant_activations=float32`` -> {"quantization": "gguf", "quant_activations": ...}."""
+    quantization, *rest = spec.split("+")
+    out = {"quantization": quantization}
+    for item in rest:
+        field, _, value = item.partition("=")
+        out[field] = value
     return out
 
 
@@ -115,7 +119,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="strait bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--formats", default=DEFAULT_FORMATS, help="quantization[:dtype[:kv]],...")
+    p.add_argument(
+        "--formats", default=DEFAULT_FORMATS, help="quantization[+field=value...],... (engine)"
+    )
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--prompts", type=int, default=32)
@@ -171,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     for spec in formats:
         t0 = time.perf_counter()
         engine_settings = base.model_copy(
-            update={"quantization": "none", "dtype": "float32", "kv_cache_dtype": "auto"}
+            update={
+                "quantization": "none",
+                "dtype": "float32",
+                "kv_cache_dtype": "auto",
+                "quant_activations": "int8",
+            }
             | parse_format(spec)
         )
         print(f"{spec}: loading...", flush=True)
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(results: list[FormatResult], prompts: int, max_tokens: int) -> None:
     head = (
-        f"{'format':28} {'perplexity':>10} {'vs fp32':>8} {'bound':>6} {'ok':>3} "
+        f"{'format':34} {'perplexity':>10} {'vs fp32':>8} {'bound':>6} {'ok':>3} "
         f"{'greedy =':>9} {'prefix':>7}"
     )
     print()
@@ -230,7 +241,7 @@ def print_table(results: list[FormatResult], prompts: int, max_tokens: int) -> N
         bound = f"{r.bound * 100:.1f}%" if r.bound is not None else "-"
         ok = "-" if r.within_bound is None else ("yes" if r.within_bound else "NO")
         print(
-            f"{r.name:28} {r.perplexity:>10.4f} {r.perplexity_delta * 100:>+7.2f}% {bound:>6} "
+            f"{r.name:34} {r.perplexity:>10.4f} {r.perplexity_delta * 100:>+7.2f}% {bound:>6} "
             f"{ok:>3} {r.greedy_identical:>4}/{prompts:<4} {r.greedy_common_prefix:>5.1f}/{max_tokens}"
         )
     print(flush=True)

@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     mc.add_argument("gguf")
     mc.add_argument("out")
     models.add_parser("list", help="list known and prepared models")
+    mf = models.add_parser(
+        "formats", help="bytes of linear weights a step reads in each engine.quantization"
+    )
+    mf.add_argument("name", nargs="?", default=None, help="model (default: the first pool's)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("which", choices=["serve", "engine", "quality"])
@@ -98,6 +102,12 @@ def _models(args: argparse.Namespace) -> int:
         print(models.cli_convert(args.gguf, args.out))
     elif args.action == "list":
         for line in models.cli_list():
+            print(line)
+    elif args.action == "formats":
+        from libs.models.formats import cli_formats
+
+        name = args.name or settings.pools[0].model
+        for line in cli_formats(models.prepare_model(name, settings)):
             print(line)
     return 0
 

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from libs.settings import Settings
+from libs.settings import Settings, model_identity
 
 MAX_RESTARTS = 3
 STOP_GRACE_S = 15.0
@@ -233,6 +233,19 @@ def up(settings: Settings) -> int:
         fleet.plan()
         fleet.start_all()
         base = f"http://{settings.gateway.host}:{settings.gateway.port}"
+        for pool in settings.pools:
+            if pool.backend == "engine":
+                engine = settings.engine_for(pool)
+                say(
+                    f"pool {pool.name}: {pool.model}, weights {engine.quantization} "
+                    f"(activations {engine.dtype}"
+                    + (
+                        f", {engine.quant_activations} into the block kernel"
+                        if engine.quantization != "none"
+                        else ""
+                    )
+                    + f"; model id {model_identity(pool.model, engine)})"
+                )
         if wait_ready(settings, fleet):
             say(f"fleet ready: {base}  (OpenAI base URL {base}/v1)")
         else:

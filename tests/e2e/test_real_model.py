@@ -57,19 +57,31 @@ def reference_texts(model_dir: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+@pytest.mark.parametrize(
+    ("mode", "weights"),
+    [("aggregated", "none"), ("disaggregated", "none"), ("disaggregated", "gguf")],
+)
 def test_concurrent_streams_equal_generate(
-    tmp_path: Path, nats_url: str, smollm2: Path, mode: str
+    tmp_path: Path, nats_url: str, smollm2: Path, mode: str, weights: str
 ) -> None:
     """Four concurrent chats, twice (the second round hits the prefix cache), equal
     ``model.generate``'s greedy text — in one aggregated worker, and split over a prefill and a
-    decode worker process with the KV blocks handed off over NATS."""
+    decode worker process with the KV blocks handed off over NATS; and served from the GGUF's
+    own 4-bit blocks (float32 activations into the block kernel: the float model's bits)."""
     from openai import AsyncOpenAI
 
+    from libs.engine import kernels
+
+    if weights == "gguf":
+        k = kernels.load("auto", "cpu", "float32")
+        if k is None or not k.avx512:
+            pytest.skip("the GGUF's blocks give the float model's bits on AVX-512 CPUs")
     expected = reference_texts(smollm2)
     env = {
         "STRAIT_NATS__SUBJECT_PREFIX": "real.v1",
         "STRAIT_MODELS__DIR": str(smollm2.parent.resolve()),
+        "STRAIT_ENGINE__QUANTIZATION": weights,
+        "STRAIT_ENGINE__QUANT_ACTIVATIONS": "float32",
     }
     config = REAL_FLEET + f'mode = "{mode}"\n'  # the last table is the pool
     workers: list[dict[str, str]] = [{}]
@@ -114,6 +126,9 @@ def test_concurrent_streams_equal_generate(
         rounds = asyncio.run(all_at_once())
         if mode == "disaggregated":  # the decode process served what the prefill one handed off
             assert "handoff admitted" in fleet.logs("worker0")
+        if weights == "gguf":  # both processes served the GGUF's blocks (start-up lines)
+            for name in ("worker0", "prefill"):
+                assert "gguf-q4_1" in (fleet.tmp / f"{name}.log").read_text(errors="replace")
     for results in rounds:
         assert [t for t, _ in results] == expected
         assert all(0 < n <= MAX_TOKENS for _, n in results)

@@ -363,11 +363,11 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 // as stored: q the level, d (and m) the block's fp16 scale (and offset). 4 bits: w = q * d + m
 // (Q4_1), or (q - 8) * d without offsets (Q4_0); 8 bits: w = q * d, q signed (Q8_0).
 //
-// Layout, per panel p of 16 output columns (zero padded), in 32-bit lanes of 4 bytes (the
-// shape VNNI's vpdpbusd multiplies): 4 bits uint8 [P, K / 8, 16, 4], byte (c, j, t) =
-// q[j, 8c + t] | q[j, 8c + 4 + t] << 4; 8 bits uint8 [P, K / 4, 16, 4], byte (c, j, t) =
-// q[j, 4c + t] + 128; d and m fp16 [P, K / group, 16] (m empty: no offsets). Built by
-// libs/engine/quant/blocks.py. Two ways through it (`act_bits`):
+// Layout: panels of 16 output columns (zero padded), four panels to a group interleaved chunk
+// by chunk, in 32-bit lanes of 4 bytes (the shape VNNI's vpdpbusd multiplies): 4 bits uint8
+// [G, K / 8, 4, 16, 4], byte (c, s, j, t) = q[j, 8c + t] | q[j, 8c + 4 + t] << 4 of column
+// 16 (4g + s) + j; 8 bits uint8 [G, K / 4, 4, 16, 4], byte = q[j, 4c + t] + 128; d and m fp16
+// [G, K / group, 4, 16] (m empty: no offsets). Built by libs/engine/quant/blocks.py. Two ways through it (`act_bits`):
 //
 // - 32: float32 activations. Each weight widened exactly as the `gguf` package dequantises it
 //   (the product, then the sum: no fused multiply-add), every output the same sequential FMA
@@ -378,9 +378,16 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 //   instruction), then per block y += d * xd * dot + m * xd * sum(xq) in float32. Not the
 //   float model's bits; ~4x fewer instructions than widening every weight.
 
+// Panels are stored four to a group, interleaved chunk by chunk (one sequential stream for the
+// four panels one row reads side by side): chunk c of slot s at c * kQStride + s * 64 bytes,
+// the scales of group g at g * kSStride + s * 16 halves.
+constexpr int64_t kPanelsPerGroup = 4;
+constexpr int64_t kQStride = kPanelsPerGroup * 64;
+constexpr int64_t kSStride = kPanelsPerGroup * kNR;
+
 #if STRAIT_AVX512
 constexpr int64_t kQB = 32;  // inputs per activation block (act_bits 8)
-constexpr int64_t kQPrefetch = STRAIT_QPF;  // 64-byte lines read ahead in each panel stream
+constexpr int64_t kQPrefetch = STRAIT_QPF;  // chunks read ahead in each panel stream
 
 struct QPanelPtr {
   const uint8_t* q;  // the panel's levels
@@ -422,13 +429,13 @@ inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_
     const int64_t i0 = c * kChunk;
     if (i0 % group == 0) {
       for (int p = 0; p < NP; ++p) {
-        scale[p] = load_half16(pn[p].d + (i0 / group) * kNR);
-        if constexpr (OFFSET) offset[p] = load_half16(pn[p].m + (i0 / group) * kNR);
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
+        if constexpr (OFFSET) offset[p] = load_half16(pn[p].m + (i0 / group) * kSStride);
       }
     }
 #define STRAIT_PANEL(p)                                                                        \
   if constexpr (NP > p) {                                                                      \
-    const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);                                    \
+    const __m512i v = _mm512_loadu_si512(pn[p].q + c * kQStride);                                    \
     for (int t = 0; t < kChunk; ++t) {                                                         \
       const int shift = BITS == 4 ? (t % 4) * 8 + (t / 4) * 4 : t * 8;                         \
       const __m512i lv = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)),       \
@@ -463,7 +470,7 @@ template <int R, int NP, int BITS, bool OFFSET>
 inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int32_t* xs,
                       const QPanelPtr* pn, int64_t k, int64_t group, float* y, int64_t ldy,
                       const int64_t* cols, const float* const* bias) {
-  static_assert(R * NP <= 8, "too many accumulators");
+  static_assert(R * NP <= 16, "too many accumulators");
   const int64_t nb = k / kQB;
   __m512 sum[R][NP];
   for (int r = 0; r < R; ++r)
@@ -474,11 +481,11 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
     const int64_t i0 = b * kQB;
     if (i0 % group == 0) {
       for (int p = 0; p < NP; ++p) {
-        scale[p] = load_half16(pn[p].d + (i0 / group) * kNR);
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
         // The block's constant term per unit of xd * sum(xq): m (Q4_1), -8d (Q4_0: levels are
         // q - 8), -128d (8 bits: levels are stored + 128).
         if constexpr (OFFSET)
-          offset[p] = load_half16(pn[p].m + (i0 / group) * kNR);
+          offset[p] = load_half16(pn[p].m + (i0 / group) * kSStride);
         else
           offset[p] = _mm512_mul_ps(scale[p], _mm512_set1_ps(BITS == 4 ? -8.f : -128.f));
       }
@@ -489,10 +496,11 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
     if constexpr (BITS == 4) {
       for (int64_t c = i0 / 8; c < (i0 + kQB) / 8; ++c) {  // 8 inputs per 64-byte chunk
         for (int p = 0; p < NP; ++p) {
-          // One line ahead in each stream: a panel is only K / 8 lines, too short for the
-          // hardware prefetcher to ramp up (one row: 11 -> ? GB/s a core).
-          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * 64), _MM_HINT_T0);
-          const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);
+          // kQPrefetch chunks ahead in the group's stream (8 measured best of 8, 16, 24, 32,
+          // 64; with the interleaved groups and huge pages, all SmolLM2 linears at one row
+          // went 5.7 -> 4.3-4.4 ms).
+          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * kQStride), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(pn[p].q + c * kQStride);
           const __m512i lo = _mm512_and_si512(v, nibbles);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
           for (int r = 0; r < R; ++r) {
@@ -508,8 +516,8 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
     } else {
       for (int64_t c = i0 / 4; c < (i0 + kQB) / 4; ++c) {  // 4 inputs per 64-byte chunk
         for (int p = 0; p < NP; ++p) {
-          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * 64), _MM_HINT_T0);
-          const __m512i v = _mm512_loadu_si512(pn[p].q + c * 64);
+          _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * kQStride), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(pn[p].q + c * kQStride);
           for (int r = 0; r < R; ++r) {
             int32_t x0;
             std::memcpy(&x0, xq + r * ldq + c * 4, 4);
@@ -569,7 +577,7 @@ struct QLinear {
   const int8_t* xq;
   const float* xd;
   const int32_t* xs;
-  int64_t m, k, n, group, panel_bytes, panel_scales;
+  int64_t m, k, n, group, panel_bytes, panel_scales;  // per group of four panels
   const uint8_t* qp;
   const uint16_t* dp;
   const uint16_t* mp;
@@ -583,14 +591,15 @@ struct QLinear {
     int64_t cols[NP];
     const float* bias[NP];
     for (int j = 0; j < NP; ++j) {
-      pn[j] = {qp + (p + j) * panel_bytes, dp + (p + j) * panel_scales,
-               OFFSET ? mp + (p + j) * panel_scales : nullptr};
+      const int64_t g = (p + j) / kPanelsPerGroup, slot = (p + j) % kPanelsPerGroup;
+      pn[j] = {qp + g * panel_bytes + slot * 64, dp + g * panel_scales + slot * kNR,
+               OFFSET ? mp + g * panel_scales + slot * kNR : nullptr};
       cols[j] = std::min(kNR, n - (p + j) * kNR);
       bias[j] = bp ? bp + (p + j) * kNR : nullptr;
     }
     float* y = yp + p * kNR;
     constexpr int rows_exact = 16 / NP > 8 ? 8 : 16 / NP;  // rows per tile
-    constexpr int rows_dot = 8 / NP;
+    constexpr int rows_dot = 16 / NP > 8 ? 8 : 16 / NP;
     int64_t r = 0;
     if (exact) {
       for (; r + rows_exact <= m; r += rows_exact)
@@ -617,10 +626,12 @@ struct QLinear {
     }
   }
 
+  // Whole groups of four panels (one sequential stream; with int8 activations four rows a
+  // tile: 16 integer accumulators, the float sums updated once per 32 inputs), then the
+  // last group's panels two and one at a time.
   void run(int64_t p0, int64_t p1) const {
     int64_t p = p0;
-    if (m < 4)
-      for (; p + 4 <= p1; p += 4) panels_at<4>(p);
+    for (; p + 4 <= p1; p += 4) panels_at<4>(p);
     for (; p + 2 <= p1; p += 2) panels_at<2>(p);
     for (; p < p1; ++p) panels_at<1>(p);
   }
@@ -639,25 +650,28 @@ torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qwei
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(act_bits == 32 || (act_bits == 8 && STRAIT_VNNI), "act_bits must be 32 or 8 (VNNI)");
   const auto x = input.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), panels = qweight.size(0);
+  const int64_t m = x.size(0), k = x.size(1), groups = qweight.size(0);
+  const int64_t panels = (n + kNR - 1) / kNR;
   const int64_t chunk = bits == 4 ? 8 : 4;
   TORCH_CHECK(group > 0 && group % chunk == 0 && k % group == 0 &&
                   (act_bits == 32 || group % 32 == 0),
               "K must be a multiple of group, group of 8 (4 bits) or 4 (8 bits), and of 32 "
               "for int8 activations");
-  TORCH_CHECK(qweight.dim() == 4 && qweight.size(1) == k / chunk && qweight.size(2) == kNR &&
-                  qweight.size(3) == 4 && qweight.scalar_type() == torch::kByte &&
+  TORCH_CHECK(qweight.dim() == 5 && qweight.size(1) == k / chunk &&
+                  qweight.size(2) == kPanelsPerGroup && qweight.size(3) == kNR &&
+                  qweight.size(4) == 4 && qweight.scalar_type() == torch::kByte &&
                   qweight.is_contiguous(),
-              "qweight must be uint8 [P, K / 8 (4 bits) or K / 4 (8 bits), 16, 4]");
+              "qweight must be uint8 [G, K / 8 (4 bits) or K / 4 (8 bits), 4, 16, 4]");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
-                  scales.dim() == 3 && scales.size(0) == panels && scales.size(1) == k / group &&
-                  scales.size(2) == kNR,
-              "scales must be fp16 [P, K / group, 16]");
+                  scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == k / group &&
+                  scales.size(2) == kPanelsPerGroup && scales.size(3) == kNR,
+              "scales must be fp16 [G, K / group, 4, 16]");
   const bool offset = mins.numel() > 0;
   TORCH_CHECK(!offset || (bits == 4 && mins.sizes() == scales.sizes() &&
                           mins.scalar_type() == torch::kHalf && mins.is_contiguous()),
               "offsets (4 bits only) must be fp16 shaped like the scales");
-  TORCH_CHECK(panels * kNR >= n && (panels - 1) * kNR < n, "block_linear: N mismatch");
+  TORCH_CHECK(groups * kPanelsPerGroup * kNR >= n && (groups - 1) * kPanelsPerGroup * kNR < n,
+              "block_linear: N mismatch");
   auto out = torch::empty({m, n}, x.options());
 #if STRAIT_AVX512
   const float* bp = nullptr;
@@ -666,15 +680,18 @@ torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qwei
     b = bias->contiguous();
     bp = b.data_ptr<float>();
   }
-  torch::Tensor xq_t, xd_t, xs_t;
+  // The activations' int8 blocks in scratch memory of the calling thread (reused by every
+  // call: three tensor allocations a linear were ~0.35 ms of a one-row step).
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> xd_buf;
+  thread_local std::vector<int32_t> xs_buf;
   const bool exact = act_bits == 32;
   if (!exact) {
     TORCH_CHECK(k % kQB == 0, "int8 activations need K a multiple of 32");
-    xq_t = torch::empty({m, k}, x.options().dtype(torch::kChar));
-    xd_t = torch::empty({m, k / kQB}, x.options());
-    xs_t = torch::empty({m, k / kQB}, x.options().dtype(torch::kInt));
-    quantize_rows(x.data_ptr<float>(), m, k, xq_t.data_ptr<int8_t>(), xd_t.data_ptr<float>(),
-                  xs_t.data_ptr<int32_t>());
+    xq_buf.resize(m * k);
+    xd_buf.resize(m * (k / kQB));
+    xs_buf.resize(m * (k / kQB));
+    quantize_rows(x.data_ptr<float>(), m, k, xq_buf.data(), xd_buf.data(), xs_buf.data());
   }
   auto launch = [&](auto job) {
     // Grain: whole groups of four panels per task, so one row keeps its four chains.
@@ -685,10 +702,10 @@ torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qwei
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint16_t* mp = offset ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
-  const int64_t panel_bytes = (k / chunk) * 64, panel_scales = (k / group) * kNR;
-  const int8_t* xq = exact ? nullptr : xq_t.data_ptr<int8_t>();
-  const float* xd = exact ? nullptr : xd_t.data_ptr<float>();
-  const int32_t* xs = exact ? nullptr : xs_t.data_ptr<int32_t>();
+  const int64_t panel_bytes = (k / chunk) * kQStride, panel_scales = (k / group) * kSStride;
+  const int8_t* xq = exact ? nullptr : xq_buf.data();
+  const float* xd = exact ? nullptr : xd_buf.data();
+  const int32_t* xs = exact ? nullptr : xs_buf.data();
   const float* xp = x.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   if (bits == 8)
@@ -855,6 +872,8 @@ inline void weighted_values(const float* p, int64_t len, const float* v_head, co
   }
 }
 
+constexpr int64_t kAttnGrain = 4;  // (row, KV head) items below which one thread attends
+
 // One query row per token, each over the first context_lens[r] keys of its own block table: a
 // decode token sees its whole sequence, token i of a prefill chunk starting at position s the
 // keys 0..s+i (causal). q [T, H, D]; k_cache, v_cache [Hkv, num_blocks, block_size, D] (last
@@ -891,7 +910,9 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, rows * hkv, 1, [&](int64_t i0, int64_t i1) {
+  // Grain of kAttnGrain items: a step with few rows (one sequence decoding: 3 items) runs on
+  // the calling thread, without waking the pool for microseconds of work.
+  at::parallel_for(0, rows * hkv, kAttnGrain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = i / hkv, kh = i % hkv, len = lp[row];

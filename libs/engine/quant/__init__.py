@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from libs.engine import host_memory
 from libs.engine.kernels import load as load_kernels
 from libs.engine.quant.base import KERNEL_DTYPE, Bf16Linear, WeightOnlyLinear
 from libs.engine.quant.blocks import BlockLinear, Blocks, kernel_serves, make_linear
@@ -143,6 +144,7 @@ def quantize_model(
         setattr(parent, child, layer)
         report.layers[layer.kind] += 1
         report.weight_bytes += layer.weight_bytes()
+    _levels_to_huge_pages([x for x in layers.values() if isinstance(x, BlockLinear)])
     log.info("weights: %s", report.summary())
     return report
 
@@ -155,3 +157,18 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:
                 module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+
+
+def _levels_to_huge_pages(layers: list[BlockLinear]) -> None:
+    """Copy every block layer's levels into one arena on huge pages (host_memory): each step
+    streams all of them, as it streams the packed float weights (decision 0008)."""
+    sizes = [layer.qweight.numel() for layer in layers]
+    if not sizes:
+        return
+    arena = host_memory.zeros((sum(sizes),), torch.uint8)
+    offset = 0
+    for layer, size in zip(layers, sizes, strict=True):
+        view = arena[offset : offset + size].view(layer.qweight.shape)
+        view.copy_(layer.qweight)
+        layer.qweight = view
+        offset += size

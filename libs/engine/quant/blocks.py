@@ -24,6 +24,8 @@ import torch
 from libs.engine.quant.base import WeightOnlyLinear
 
 PANEL = 16  # output columns per panel (cpu_kernels.cpp kNR)
+PANELS_PER_GROUP = 4  # panels interleaved chunk by chunk (kPanelsPerGroup)
+GROUP_ROWS = PANEL * PANELS_PER_GROUP
 FP16_TINY = 2.0**-14  # smallest normal fp16: scales never round to zero or lose bits
 
 
@@ -56,40 +58,41 @@ def fp16_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (``cpu_kernels.cpp``, "block-quantized linear"): levels uint8
-    ``[P, K / 8, 16, 4]`` (4 bits: byte ``(c, j, t)`` = ``q[j, 8c + t] | q[j, 8c + 4 + t] << 4``)
-    or ``[P, K / 4, 16, 4]`` (8 bits: ``q[j, 4c + t] + 128``), scales and offsets fp16
-    ``[P, K / group, 16]`` (offsets empty when there are none); rows padded with zeros to a
-    multiple of 16."""
+    """The kernel's layout (``cpu_kernels.cpp``, "block-quantized linear"): panels of 16 rows,
+    four panels to a group interleaved chunk by chunk; levels uint8 ``[G, K / 8, 4, 16, 4]``
+    (4 bits: byte ``(c, s, j, t)`` = ``q[r, 8c + t] | q[r, 8c + 4 + t] << 4`` of row ``r = 16
+    (4g + s) + j``) or ``[G, K / 4, 4, 16, 4]`` (8 bits: ``q[r, 4c + t] + 128``); scales and
+    offsets fp16 ``[G, K / group, 4, 16]`` (offsets empty when there are none); rows padded
+    with zeros to a multiple of 64."""
     n, k = blocks.q.shape
-    pad = -n % PANEL
+    pad = -n % GROUP_ROWS
     q = torch.nn.functional.pad(blocks.q.to(torch.int32), (0, 0, 0, pad))
-    panels = (n + pad) // PANEL
+    groups = (n + pad) // GROUP_ROWS
 
-    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N', C] -> [P, C, 16]
-        return t.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [N', C, *rest] -> [G, C, 4, 16, *rest]
+        t = t.reshape(groups, PANELS_PER_GROUP, PANEL, *t.shape[1:])
+        return t.movedim(3, 1).contiguous()
 
     if blocks.bits == 4:
         halves = q.view(n + pad, k // 8, 2, 4)  # [N', chunk, low / high nibble, t]
         packed = halves[:, :, 0] | halves[:, :, 1] << 4  # [N', K / 8, 4]
     else:
         packed = (q + 128).view(n + pad, k // 4, 4)
-    # [N', C, 4] -> [P, 16, C, 4] -> [P, C, 16, 4]
-    qweight = packed.to(torch.uint8).view(panels, PANEL, -1, 4).transpose(1, 2).contiguous()
+    qweight = by_group(packed.to(torch.uint8))
     d = torch.nn.functional.pad(blocks.d, (0, 0, 0, pad))
-    scales = by_panel(d.to(torch.float16))
+    scales = by_group(d.to(torch.float16))
     mins = torch.empty(0, dtype=torch.float16)
     if blocks.m is not None:
-        mins = by_panel(torch.nn.functional.pad(blocks.m, (0, 0, 0, pad)).to(torch.float16))
+        mins = by_group(torch.nn.functional.pad(blocks.m, (0, 0, 0, pad)).to(torch.float16))
     return qweight, scales, mins
 
 
 class BlockLinear(WeightOnlyLinear):
     """Levels and fp16 scales in the kernel's panels; float32 activations in and out."""
 
-    qweight: torch.Tensor  # [P, K / 8, 16, 4] (4 bits) or [P, K / 4, 16, 4] (8 bits) uint8
-    scales: torch.Tensor  # [P, K / group, 16] float16
-    mins: torch.Tensor  # [P, K / group, 16] float16, or empty (8 bits)
+    qweight: torch.Tensor  # [G, K / 8, 4, 16, 4] (4 bits) or [G, K / 4, 4, 16, 4] (8 bits) uint8
+    scales: torch.Tensor  # [G, K / group, 4, 16] float16
+    mins: torch.Tensor  # [G, K / group, 4, 16] float16, or empty
 
     def __init__(
         self, blocks: Blocks, bias: torch.Tensor | None, kernels: Any, act_bits: int = 32
