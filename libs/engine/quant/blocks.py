@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from libs.engine.quant.base import WeightOnlyLinear
+from libs.engine.quant.base import Bf16Linear, WeightOnlyLinear
 
 PANEL = 16  # output columns per panel (cpu_kernels.cpp kNR)
 PANELS_PER_GROUP = 4  # panels interleaved chunk by chunk (kPanelsPerGroup)
 GROUP_ROWS = PANEL * PANELS_PER_GROUP
+TINYGEMM_K = 256  # input features per tinygemm K tile at innerKTiles 8 (CUDA int4)
 FP16_TINY = 2.0**-14  # smallest normal fp16: scales never round to zero or lose bits
 
 
@@ -157,6 +158,10 @@ def make_linear(
         if act_bits == 8 and not (getattr(kernels, "vnni", False) and blocks.group % 32 == 0):
             act_bits = 32
         return BlockLinear(blocks, bias, kernels, act_bits)
+    k = blocks.q.shape[1]
+    if device.type == "cuda" and blocks.bits == 4 and k % TINYGEMM_K:
+        # tinygemm packs K in tiles of 256 (SmolLM2's 576 inputs do not fit): bf16 weights.
+        return Bf16Linear(blocks.dequantized().to(device), bias)
     if blocks.bits == 4:  # torch's formula: (q - 8) * scale + zero
         zero = blocks.m + 8 * blocks.d if blocks.m is not None else torch.zeros_like(blocks.d)
         return Int4Linear(

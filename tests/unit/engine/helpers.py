@@ -64,7 +64,9 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
     EOS like the engine does without ``ignore_eos`` (tiny test models have no EOS)."""
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False
+            torch.tensor([prompt], device=next(model.parameters()).device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
         )
     return [int(t) for t in out[0, len(prompt) :]]
 
