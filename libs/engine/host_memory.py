@@ -37,3 +37,19 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf`
     start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (one dtype) packed back to back in one arena from :func:`zeros`,
+    in order: weights one step streams, read from huge pages. Called once at load by
+    ``pack_linears`` and ``quant.quantize_model``."""
+    if not tensors:
+        return []
+    arena = zeros((sum(t.numel() for t in tensors),), tensors[0].dtype)
+    out, offset = [], 0
+    for t in tensors:
+        view = arena[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        offset += t.numel()
+    return out

@@ -160,15 +160,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _levels_to_huge_pages(layers: list[BlockLinear]) -> None:
-    """Copy every block layer's levels into one arena on huge pages (host_memory): each step
-    streams all of them, as it streams the packed float weights (decision 0008)."""
-    sizes = [layer.qweight.numel() for layer in layers]
-    if not sizes:
-        return
-    arena = host_memory.zeros((sum(sizes),), torch.uint8)
-    offset = 0
-    for layer, size in zip(layers, sizes, strict=True):
-        view = arena[offset : offset + size].view(layer.qweight.shape)
-        view.copy_(layer.qweight)
+    """Every block layer's levels into one arena on huge pages, in the model's order: each
+    step streams all of them, as it streams the packed float weights (decision 0008)."""
+    for layer, view in zip(layers, host_memory.gather([x.qweight for x in layers]), strict=True):
         layer.qweight = view
-        offset += size
