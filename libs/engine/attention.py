@@ -143,10 +143,10 @@ def paged_attention(
     k_slots.index_copy_(1, meta.slot_mapping, key[0].to(kv_dtype))
     v_slots = v_cache.view(hkv, num_blocks * block_size, d)
     v_slots.index_copy_(1, meta.slot_mapping, value[0].to(kv_dtype))
-    # Scores and softmax in float32 whatever the activations' and the cache's dtypes: SDPA's
-    # bf16 reductions depend on the padded length, i.e. on the batch (a batched bf16 engine
-    # diverged from one request at a time in tests); in float32 they agree as they do for
-    # float32 models. Only the output is rounded back to the activations' dtype.
+    # Scores and softmax in float32 whatever the activations' and the cache's dtypes: with
+    # attention in bf16 a batched bf16 engine diverged from one request at a time on a test
+    # prompt that agrees in float32 (bf16 with unquantised weights still diverges on another:
+    # test_quant.py's strict xfail). Only the output is rounded back to the activations' dtype.
     act = torch.float32
 
     _, h, t, _ = query.shape

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,33 +368,29 @@ class ModelRunner:
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.compiled(self.model, **inputs)
 
-    def linear_weight_bytes(self) -> int:
-        """Bytes of linear weights (scales included) one forward reads, in their format."""
-        total = 0
+    def _linear_layers(self) -> list[tuple[str, int]]:
+        """(kind, bytes of weights and scales one forward reads) of every linear layer."""
+        out = []
         for m in self.model.modules():
             if isinstance(m, quant.WeightOnlyLinear):
-                total += m.weight_bytes()
+                out.append((m.kind, m.weight_bytes()))
             elif isinstance(m, PackedLinear):
-                total += m.packed.numel() * m.packed.element_size()
+                out.append(("fp32-packed", m.packed.numel() * m.packed.element_size()))
             elif isinstance(m, torch.nn.Linear):
-                total += m.weight.numel() * m.weight.element_size()
-        return total
+                dtype = str(m.weight.dtype).removeprefix("torch.")
+                out.append((dtype, m.weight.numel() * m.weight.element_size()))
+        return out
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes of linear weights (scales included) one forward reads, in their format."""
+        return sum(n for _, n in self._linear_layers())
 
     def weights_summary(self) -> str:
         """One line: each linear kind and how many, and the bytes a forward reads."""
-        kinds: dict[str, int] = {}
-        for m in self.model.modules():
-            kind = ""
-            if isinstance(m, quant.WeightOnlyLinear):
-                kind = m.kind
-            elif isinstance(m, PackedLinear):
-                kind = "fp32-packed"
-            elif isinstance(m, torch.nn.Linear):
-                kind = str(m.weight.dtype).removeprefix("torch.")
-            if kind:
-                kinds[kind] = kinds.get(kind, 0) + 1
+        layers = self._linear_layers()
+        kinds = Counter(kind for kind, _ in layers)
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        return f"{listed}; {self.linear_weight_bytes() / 2**20:.1f} MiB of linears a step"
+        return f"{listed}; {sum(n for _, n in layers) / 2**20:.1f} MiB of linears a step"
 
     # ------------------------------------------------------------------ block data
 

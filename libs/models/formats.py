@@ -8,13 +8,8 @@ types in its source GGUF. No model is loaded.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-
-# Bytes per 32 weights of the GGUF block types (ggml's block sizes).
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "F16": 64}
-_LINEAR = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +23,8 @@ def _linear_shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, i
     """([out, in] of every layer linear, [vocab, hidden] of the LM head)."""
     from safetensors import safe_open
 
+    from libs.engine.quant.gguf import gguf_tensor_name
+
     shapes: list[tuple[int, int]] = []
     head: tuple[int, int] | None = None
     embed: tuple[int, int] | None = None
@@ -35,7 +32,8 @@ def _linear_shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, i
         with safe_open(str(f), framework="np") as st:
             for name in st.keys():
                 shape = st.get_slice(name).get_shape()
-                if _LINEAR.search(name):
+                layer = name.removesuffix(".weight")
+                if not layer.endswith("lm_head") and gguf_tensor_name(layer) is not None:
                     shapes.append((int(shape[0]), int(shape[1])))
                 elif name.endswith("lm_head.weight"):
                     head = (int(shape[0]), int(shape[1]))
@@ -49,7 +47,7 @@ def _linear_shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, i
 
 def _gguf_bytes(model_dir: Path) -> tuple[int, str] | None:
     """(bytes of the GGUF's linear tensors, block types) for a directory converted from one."""
-    from libs.engine.quant.gguf import source_gguf
+    from libs.engine.quant.gguf import LAYER_NAMES, source_gguf
 
     path = source_gguf(model_dir)
     if path is None:
@@ -61,7 +59,7 @@ def _gguf_bytes(model_dir: Path) -> tuple[int, str] | None:
     wanted = {
         n
         for n in tensors
-        if n.startswith("blk.") and any(n.endswith(f".{k}.weight") for k in _GGUF_LINEARS)
+        if n.startswith("blk.") and any(n.endswith(f".{k}.weight") for k in LAYER_NAMES.values())
     }
     wanted.add("output.weight" if "output.weight" in tensors else "token_embd.weight")
     total, kinds = 0, set()
@@ -70,9 +68,6 @@ def _gguf_bytes(model_dir: Path) -> tuple[int, str] | None:
         total += int(t.n_bytes)
         kinds.add(t.tensor_type.name)
     return total, "+".join(sorted(kinds))
-
-
-_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def format_rows(model_dir: str | Path, group: int = 32) -> list[FormatRow]:

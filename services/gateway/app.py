@@ -134,6 +134,7 @@ def create_app(
         data = []
         now = int(time.time())
         for p in settings.pools:
+            engine = settings.engine_for(p)
             for model_id in (p.name, p.model):
                 data.append(
                     {
@@ -144,8 +145,8 @@ def create_app(
                         "root": p.model,
                         "strait_pool": p.name,
                         # What the pool's workers hash KV under: name + weights' format.
-                        "strait_model_id": model_identity(p.model, settings.engine_for(p)),
-                        "strait_quantization": settings.engine_for(p).quantization,
+                        "strait_model_id": model_identity(p.model, engine),
+                        "strait_quantization": engine.quantization,
                         "strait_live": p.name in live,
                     }
                 )

@@ -403,6 +403,20 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 #endif
 }
 
+// y[r, 16p + j] = acc[r * NP + p][j] (+ bias[p][j]) for j < cols[p]: a tile's results out.
+template <int R, int NP>
+inline void store_tile(const __m512* acc, float* y, int64_t ldy, const int64_t* cols,
+                       const float* const* bias) {
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      float tmp[kNR];
+      _mm512_storeu_ps(tmp, acc[r * NP + p]);
+      float* yr = y + r * ldy + p * kNR;
+      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
+    }
+  }
+}
+
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -450,18 +464,14 @@ inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_
   }
 #undef STRAIT_FMA_ROWS
 #undef STRAIT_FMA
-  const __m512 acc[8][4] = {{c0_0, c0_1, c0_2, c0_3}, {c1_0, c1_1, c1_2, c1_3},
+  const __m512 all[8][4] = {{c0_0, c0_1, c0_2, c0_3}, {c1_0, c1_1, c1_2, c1_3},
                             {c2_0, c2_1, c2_2, c2_3}, {c3_0, c3_1, c3_2, c3_3},
                             {c4_0, c4_1, c4_2, c4_3}, {c5_0, c5_1, c5_2, c5_3},
                             {c6_0, c6_1, c6_2, c6_3}, {c7_0, c7_1, c7_2, c7_3}};
-  for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < NP; ++p) {
-      float tmp[kNR];
-      _mm512_storeu_ps(tmp, acc[r][p]);
-      float* yr = y + r * ldy + p * kNR;
-      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
-    }
-  }
+  __m512 acc[R * NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r * NP + p] = all[r][p];
+  store_tile<R, NP>(acc, y, ldy, cols, bias);
 }
 
 // ---- int8 activations: R rows x NP panels; xq [R, K] int8 (row stride ldq), xd and xs
@@ -536,14 +546,7 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < NP; ++p) {
-      float tmp[kNR];
-      _mm512_storeu_ps(tmp, sum[r][p]);
-      float* yr = y + r * ldy + p * kNR;
-      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
-    }
-  }
+  store_tile<R, NP>(&sum[0][0], y, ldy, cols, bias);
 }
 
 // Quantise each row of x [M, K] in blocks of 32: xq int8 [M, K], xd [M, K / 32] (absmax /

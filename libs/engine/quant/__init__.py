@@ -3,8 +3,8 @@
 :func:`quantize_model` is called once by :func:`libs.engine.model_runner.load_model`, after
 transformers has loaded the float model and before the CPU kernels pack what is left; it
 replaces every ``nn.Linear`` with a :class:`~libs.engine.quant.base.WeightOnlyLinear` of the
-chosen format and returns a :class:`QuantReport` (logged once at start-up, shown by ``strait
-bench engine`` and ``strait models``).
+chosen format and returns a :class:`QuantReport` (the model runner logs the layers in use once
+at start-up, ``ModelRunner.weights_summary``).
 
 | format | module | kernel (CPU / CUDA) |
 | --- | --- | --- |
@@ -20,7 +20,6 @@ CUDA included (bf16 activations).
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,10 +36,6 @@ from libs.engine.quant.blocks import BlockLinear, Blocks, kernel_serves, make_li
 from libs.engine.quant.int4 import Int4Linear, int4_blocks
 from libs.engine.quant.int8 import Int8Linear, int8_blocks
 from libs.settings import EngineSettings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-log = logging.getLogger("strait.engine")
 
 __all__ = [
     "FORMATS",
@@ -59,15 +54,10 @@ __all__ = [
 
 @dataclass(slots=True)
 class QuantReport:
-    """What :func:`quantize_model` did: layers per kind and bytes of linear weights."""
+    """What :func:`quantize_model` did: the layers it made, per kind."""
 
     quantization: str
     layers: Counter[str] = field(default_factory=Counter)
-    weight_bytes: int = 0  # linear weights (and scales) read by one forward
-
-    def summary(self) -> str:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layers.items()))
-        return f"{self.quantization}: {kinds} ({self.weight_bytes / 2**20:.1f} MiB of linears)"
 
 
 # (model, model directory, settings, the CPU kernels when they serve blocks) -> name -> layer
@@ -84,11 +74,11 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def _gguf(
-    model: nn.Module, model_dir: str | Path, _s: EngineSettings, kernels: Any
+    model: nn.Module, model_dir: str | Path, s: EngineSettings, kernels: Any
 ) -> dict[str, WeightOnlyLinear]:
     from libs.engine.quant.gguf import gguf_linears
 
-    return gguf_linears(model, model_dir, kernels, act_bits(_s))
+    return gguf_linears(model, model_dir, kernels, act_bits(s))
 
 
 def _int4(
@@ -135,7 +125,7 @@ def quantize_model(
         return report
     device = next(model.parameters()).device
     kernels = load_kernels(settings.cpu_kernels, settings.device, "float32")
-    if not kernel_serves(kernels, DTYPES[settings.dtype], device):
+    if not kernel_serves(kernels, getattr(torch, settings.dtype), device):
         kernels = None
     layers = build(model, model_dir, settings, kernels)
     for name, layer in layers.items():
@@ -143,9 +133,7 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
         report.layers[layer.kind] += 1
-        report.weight_bytes += layer.weight_bytes()
     _levels_to_huge_pages([x for x in layers.values() if isinstance(x, BlockLinear)])
-    log.info("weights: %s", report.summary())
     return report
 
 

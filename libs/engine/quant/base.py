@@ -2,9 +2,10 @@
 
 :func:`libs.engine.quant.quantize_model` swaps a model's ``nn.Linear`` layers for subclasses of
 :class:`WeightOnlyLinear` once, at load; transformers' modelling code calls them as it called
-the linears. Weights stay in their stored format; only the activations change dtype around the
-kernel (the weight-only kernels are fast with bfloat16 activations and scales only), so a model
-kept in float32 keeps float32 norms, residuals, attention and KV cache.
+the linears. Weights stay in their stored format; only the activations change dtype around
+torch's kernels (fast with bfloat16 activations and scales only; Strait's block kernel takes
+float32, ``blocks.BlockLinear``), so a model kept in float32 keeps float32 norms, residuals,
+attention and KV cache.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class WeightOnlyLinear(nn.Module):
 
 
 class Bf16Linear(WeightOnlyLinear):
-    """Weights in bfloat16 through ``F.linear`` (oneDNN on the CPU, cuBLAS on CUDA): the
-    fallback for a GGUF block type no maintained kernel reads (Q8_0, Q6_K...)."""
+    """Weights in bfloat16 through ``F.linear`` (cuBLAS): the CUDA fallback for 4-bit blocks
+    whose input width does not fit tinygemm's tiles (``blocks.make_linear``)."""
 
     kind = "bf16"
     weight_bf16: torch.Tensor  # [out, in] bfloat16

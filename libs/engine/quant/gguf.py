@@ -10,7 +10,7 @@ and every linear is rebuilt from the GGUF's own tensor:
   model's own numbers), else by torch's int4 / int8 kernels (bf16 activations);
 - Q4_K (``q * d * sc - dmin * mn`` per 32 of a 256-superblock) by torch's int4 kernel:
   scale ``d * sc``, zero ``8 * d * sc - dmin * mn``, rounded to bf16;
-- any other block type (Q8_0, Q6_K, Q5_*...) has no maintained kernel for its group-wise
+- any other block type (Q6_K, Q5_*...) has no maintained kernel for its group-wise
   scales: it is dequantised with the ``gguf`` package and re-quantised to int8 with one scale
   per row (:class:`~libs.engine.quant.int8.Int8Linear`; bf16 through ``F.linear`` read the
   49152-row lm_head ~10x slower at one row on this CPU).
@@ -21,7 +21,6 @@ Every rebuilt weight is checked against the converted float weight before it rep
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,10 @@ from torch import nn
 from libs.engine.quant.base import WeightOnlyLinear
 from libs.engine.quant.blocks import BlockLinear, Blocks, make_linear
 from libs.engine.quant.int8 import Int8Linear
-
-log = logging.getLogger("strait.engine")
+from libs.models.convert import DONE_MARKER
 
 # HF module name suffix -> llama.cpp tensor name (llama, mistral, qwen2, gemma3 share them).
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -54,7 +52,7 @@ _MATCH_RTOL = 1e-5
 
 def source_gguf(model_dir: str | Path) -> Path | None:
     """The GGUF file a converted directory came from (its marker's ``source=``), or None."""
-    marker = Path(model_dir) / ".strait-converted"
+    marker = Path(model_dir) / DONE_MARKER
     if not marker.exists():
         return None
     for line in marker.read_text().splitlines():
@@ -69,9 +67,9 @@ def gguf_tensor_name(module_name: str) -> str | None:
     if module_name.endswith("lm_head"):
         return "output.weight"
     m = _LAYER_RE.search(module_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in LAYER_NAMES:
         return None
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return f"blk.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.weight"
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -143,9 +141,6 @@ class GgufWeights:
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch_field = self.reader.fields["general.architecture"]
         self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-
-    def kind(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
 
     def linear(
         self,

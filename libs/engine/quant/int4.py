@@ -16,8 +16,6 @@ import torch
 from libs.engine.quant.base import KERNEL_DTYPE, WeightOnlyLinear
 from libs.engine.quant.blocks import FP16_TINY, Blocks, fp16_exact
 
-GROUP_SIZES = (32, 64, 128, 256)
-
 
 class Int4Linear(WeightOnlyLinear):
     """One linear's int4 weights, packed once for the device's kernel."""

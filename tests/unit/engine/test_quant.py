@@ -216,6 +216,34 @@ def test_gguf_layers_match_the_converted_model_and_a_foreign_file_is_refused(
 
 # ------------------------------------------------------------------ invariance per format
 
+
+def serve_staggered(
+    model: torch.nn.Module, refs: list[list[int]], num_blocks: int = 20, **engine: object
+) -> tuple[LLMEngine, dict]:
+    """``prompts()`` through one engine, one arriving every other step, under a KV budget of
+    ``num_blocks`` float32 blocks (preemption) and 8-token chunks; asserts every greedy answer
+    equals ``refs`` and that a preemption happened. Returns the engine and its results."""
+    settings = engine_settings(
+        model,
+        num_blocks=num_blocks,
+        block_size=4,
+        prefill_chunk_tokens=8,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        **engine,
+    )
+    eng = LLMEngine(model, None, settings, "tiny")
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    ps = prompts()
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
+    results = run_engine(eng, subs)
+    for i in range(len(ps)):
+        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.pool.num_used == 0  # every block returned
+    return eng, results
+
+
 MAX_NEW = 10
 
 
@@ -239,28 +267,11 @@ def test_greedy_within_a_format_matches_generate_of_that_format(
         write_tiny_gguf(model, tmp_path / "tiny")
     fmt = EngineSettings(quantization=quantization, cpu_kernels=cpu_kernels, quant_activations=acts)
     quant.quantize_model(model, tmp_path / "tiny", fmt)
-    ps = prompts()
-    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
-    settings = engine_settings(
-        model,
-        num_blocks=20,
-        block_size=4,
-        prefill_chunk_tokens=8,
-        max_num_batched_tokens=24,
-        max_num_seqs=6,
-        cpu_kernels=cpu_kernels,
-        quantization=quantization,
-        quant_activations=acts,
+    refs = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    _, results = serve_staggered(
+        model, refs, cpu_kernels=cpu_kernels, quantization=quantization, quant_activations=acts
     )
-    engine = LLMEngine(model, None, settings, "tiny")
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
-    results = run_engine(engine, subs)
-    for i in range(len(ps)):
-        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
-    assert engine.scheduler.num_preemptions > 0
-    assert any(results[(f"r{i}", 0)].num_cached_tokens > 0 for i in range(len(ps)))
-    assert engine.pool.num_used == 0
+    assert any(r.num_cached_tokens > 0 for r in results.values())
 
 
 def test_the_weights_format_is_part_of_the_model_identity() -> None:
@@ -302,7 +313,9 @@ def test_the_weights_format_is_part_of_the_model_identity() -> None:
             # prompt 7 of ten diverges at its 4th token. Cause not found (bf16 F.linear rows
             # measured batch-independent at these shapes; attention runs in float32).
             # Strict: the fix turns this red, so the mark comes off with it.
-            marks=pytest.mark.xfail(strict=True, reason="bf16 torch path not batch-invariant"),
+            marks=pytest.mark.xfail(
+                strict=True, raises=AssertionError, reason="bf16 torch path not batch-invariant"
+            ),
         ),
         ("bfloat16", "auto", "int8", "off"),
     ],
@@ -322,10 +335,7 @@ def test_narrow_kv_and_bf16_activations_batched_equal_one_at_a_time(
     quant.quantize_model(model, "", fmt)
     if dtype != "float32":
         quant.cast_parameters(model, torch.bfloat16)
-    ps = prompts()
     common: dict = dict(
-        block_size=4,
-        prefill_chunk_tokens=8,
         cpu_kernels=cpu_kernels,
         quantization=quantization,
         dtype=dtype,
@@ -336,31 +346,21 @@ def test_narrow_kv_and_bf16_activations_batched_equal_one_at_a_time(
         model,
         None,
         engine_settings(
-            model, num_blocks=64, max_num_seqs=1, enable_prefix_caching=False, **common
-        ),
-        "tiny",
-    )
-    assert alone.runner.kv_cache.data.dtype == getattr(torch, fmt.kv_dtype)
-    refs = [run_engine(alone, [Submission("a", p, greedy)])[("a", 0)].token_ids for p in ps]
-    batched = LLMEngine(
-        model,
-        None,
-        # kv_bytes counts float32 blocks: 20 blocks of the narrower cache.
-        engine_settings(
             model,
-            num_blocks=20 * getattr(torch, fmt.kv_dtype).itemsize // 4,
-            max_num_batched_tokens=24,
-            max_num_seqs=6,
+            num_blocks=64,
+            block_size=4,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
             **common,
         ),
         "tiny",
     )
-    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
-    results = run_engine(batched, subs)
-    for i in range(len(ps)):
-        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
-    assert batched.scheduler.num_preemptions > 0
-    assert batched.pool.num_used == 0
+    assert alone.runner.kv_cache.data.dtype == getattr(torch, fmt.kv_dtype)
+    refs = [run_engine(alone, [Submission("a", p, greedy)])[("a", 0)].token_ids for p in prompts()]
+    # kv_bytes counts float32 blocks: 20 blocks of the narrower cache.
+    serve_staggered(
+        model, refs, num_blocks=20 * getattr(torch, fmt.kv_dtype).itemsize // 4, **common
+    )
 
 
 def test_gguf_on_the_block_kernel_answers_as_the_float_model(tmp_path: Path) -> None:
@@ -369,24 +369,8 @@ def test_gguf_on_the_block_kernel_answers_as_the_float_model(tmp_path: Path) -> 
     _kernels()
     model = tiny_model("llama")
     write_tiny_gguf(model, tmp_path / "tiny")  # model now holds the dequantised weights
-    ps = prompts()
-    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
+    refs = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     fmt = EngineSettings(quantization="gguf", cpu_kernels="on", quant_activations="float32")
     report = quant.quantize_model(model, tmp_path / "tiny", fmt)
     assert report.layers == {"gguf-q4_1": 15}
-    settings = engine_settings(
-        model,
-        num_blocks=20,
-        max_num_batched_tokens=24,
-        max_num_seqs=6,
-        cpu_kernels="on",
-        quantization="gguf",
-        quant_activations="float32",
-    )
-    engine = LLMEngine(model, None, settings, "tiny")
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
-    results = run_engine(engine, subs)
-    for i in range(len(ps)):
-        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
-    assert engine.scheduler.num_preemptions > 0
+    serve_staggered(model, refs, cpu_kernels="on", quantization="gguf", quant_activations="float32")
