@@ -194,6 +194,9 @@ class EngineSettings(BaseModel):
     # most per-op Python overhead; compiles at start (~5 min on 2 cores the first time, ~20 s
     # from inductor's disk cache). Decisions 0006, 0007.
     compile: bool = False
+    # One linear for attention's q/k/v and one for the MLP's gate/up in every llama-family
+    # layer (libs/engine/fuse.py): three kernel calls a layer fewer, the same answers.
+    fuse_projections: bool = True
     # Weight format (libs/engine/quant, docs/engine.md's table): "none" keeps the checkpoint's
     # weights in `dtype`; "gguf" serves the source GGUF's blocks (4-bit types on the int4
     # kernel); "int4" / "int8" quantise a float checkpoint at load (weight-only). The
@@ -201,10 +204,11 @@ class EngineSettings(BaseModel):
     quantization: Literal["none", "gguf", "int4", "int8"] = "none"
     # Input features per scale/zero of "int4" (torch's kernel takes 32, 64, 128 or 256).
     quant_group_size: Literal[32, 64, 128, 256] = 32
-    # Activations into Strait's block kernel (AVX-512 CPUs, float32 models): "int8" quantises
-    # them per 32 inputs and multiplies in integers (VNNI; llama.cpp's arithmetic, ~2x faster
-    # linears); "float32" keeps them, and a GGUF's Q4_0/Q4_1/Q8_0 blocks then give the bits of
-    # the float32 model converted from it. Elsewhere torch's kernels take bf16 activations.
+    # Activations into Strait's block kernel (AVX2 / AVX-512 CPUs, float32 models): "int8"
+    # quantises them per 32 inputs and multiplies in integers (AVX-512 VNNI or AVX2's
+    # vpmaddubsw; llama.cpp's arithmetic, ~2x faster linears); "float32" keeps them, and a
+    # GGUF's Q4_0/Q4_1/Q8_0 blocks then give the bits of the float32 model converted from it.
+    # Elsewhere torch's kernels take bf16 activations.
     quant_activations: Literal["int8", "float32"] = "int8"
     # K/V storage: "auto" = `dtype`. Narrower halves attention's reads; not the same answers.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

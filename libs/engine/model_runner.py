@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from libs.engine import attention, kernels, quant
+from libs.engine import attention, fuse, kernels, quant
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
 from libs.engine.kernels.linear import PackedLinear, pack_linears
 from libs.engine.scheduler import ScheduledSeq
@@ -173,6 +173,9 @@ class ModelRunner:
         # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
         # attention (the linears and the arg-max still use the kernels).
         self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
+        if settings.fuse_projections:
+            fuse.fuse_projections(model)
+        quant.levels_to_huge_pages(model)
         if self.kernels is not None:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged attention", n)

@@ -9,5 +9,5 @@ print("building Strait's CPU kernels (cached after the first build)...", flush=T
 module = kernels.build()
 print(
     f"CPU kernels ready in {time.perf_counter() - t0:.1f} s "
-    f"(AVX2: {module.avx2}, AVX-512: {module.avx512})"
+    f"(AVX2: {module.avx2}, AVX-512: {module.avx512}, VNNI: {module.vnni})"
 )

@@ -39,6 +39,9 @@
 #else
 #define STRAIT_VNNI 0
 #endif
+// The block kernel's int8 activations: VNNI on AVX-512, vpmaddubsw on AVX2 (an AVX-512 CPU
+// without VNNI takes the exact path).
+#define STRAIT_QDOT (STRAIT_VNNI || (STRAIT_AVX2 && !STRAIT_AVX512))
 
 namespace {
 
@@ -375,7 +378,8 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 //   float32 model converted from the same GGUF.
 // - 8: activations quantised per 32 inputs to int8 (xq = round(x / xd), xd = absmax / 127, as
 //   llama.cpp's Q8 blocks), integer dot products of levels and xq by vpdpbusd (64 products an
-//   instruction), then per block y += d * xd * dot + m * xd * sum(xq) in float32. Not the
+//   instruction; AVX2: vpmaddubsw + vpmaddwd, the same integers), then per block
+//   y += d * xd * dot + m * xd * sum(xq) in float32. Not the
 //   float model's bits; ~4x fewer instructions than widening every weight.
 
 // Panels are stored four to a group, interleaved chunk by chunk (one sequential stream for the
@@ -385,7 +389,7 @@ constexpr int64_t kPanelsPerGroup = 4;
 constexpr int64_t kQStride = kPanelsPerGroup * 64;
 constexpr int64_t kSStride = kPanelsPerGroup * kNR;
 
-#if STRAIT_AVX512
+#if STRAIT_AVX2
 constexpr int64_t kQB = 32;  // inputs per activation block (act_bits 8)
 constexpr int64_t kQPrefetch = STRAIT_QPF;  // chunks read ahead in each panel stream
 
@@ -394,12 +398,16 @@ struct QPanelPtr {
   const uint16_t* d;  // its scales [K / group, 16]
   const uint16_t* m;  // its offsets, or nullptr
 };
+#endif
+
+#if STRAIT_AVX512
+constexpr int kQAcc = 16;  // 16-column accumulators a tile may hold (one zmm each)
 
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 #if STRAIT_VNNI
   return _mm512_dpbusd_epi32(acc, u8, s8);
 #else
-  return acc;  // never reached: block_linear refuses int8 activations without VNNI
+  return acc;  // never reached: block_linear refuses int8 activations here (STRAIT_QDOT)
 #endif
 }
 
@@ -572,6 +580,208 @@ inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, floa
   }
 }
 
+#endif  // STRAIT_AVX512
+
+#if !STRAIT_AVX512 && STRAIT_AVX2
+// The same tiles on AVX2 (+ FMA, F16C): a panel's 16 columns as two 8-float halves, the same
+// arithmetic in the same order, so both builds give the same bits (test_quant holds them
+// together on an AVX-512 machine). Without VNNI, a 4-byte dot product is vpmaddubsw then
+// vpmaddwd: exact for 4-bit levels (|pair| <= 2 * 15 * 127); 8-bit levels are multiplied
+// signed (sign trick, |pair| <= 2 * 128 * 127) and the stored +128 added back per block.
+constexpr int kQAcc = 4;  // 16-column accumulators a tile may hold (two ymm each, 16 ymm in all)
+
+struct Q16 {  // 16 float lanes: one panel's columns
+  __m256 lo, hi;
+};
+
+inline Q16 q16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+
+inline Q16 load_half16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+
+template <int R, int NP>
+inline void store_tile(const Q16* acc, float* y, int64_t ldy, const int64_t* cols,
+                       const float* const* bias) {
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      float tmp[kNR];
+      _mm256_storeu_ps(tmp, acc[r * NP + p].lo);
+      _mm256_storeu_ps(tmp + 8, acc[r * NP + p].hi);
+      float* yr = y + r * ldy + p * kNR;
+      for (int64_t j = 0; j < cols[p]; ++j) yr[j] = bias[p] ? tmp[j] + bias[p][j] : tmp[j];
+    }
+  }
+}
+
+// ---- float32 activations (see the AVX-512 qexact_tile).
+template <int R, int NP, int BITS, bool OFFSET>
+inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_t k, int64_t group,
+                        float* y, int64_t ldy, const int64_t* cols, const float* const* bias) {
+  constexpr int kChunk = BITS == 4 ? 8 : 4;
+  const __m256i mask = _mm256_set1_epi32(BITS == 4 ? 0x0F : 0xFF);
+  const __m256i bias_q = _mm256_set1_epi32(BITS == 4 ? (OFFSET ? 0 : 8) : 128);
+  Q16 acc[R * NP];
+  for (int i = 0; i < R * NP; ++i) acc[i] = q16_zero();
+  Q16 scale[NP], offset[NP];
+  for (int64_t c = 0; c < k / kChunk; ++c) {
+    const int64_t i0 = c * kChunk;
+    if (i0 % group == 0) {
+      for (int p = 0; p < NP; ++p) {
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
+        if constexpr (OFFSET) offset[p] = load_half16(pn[p].m + (i0 / group) * kSStride);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride + 32));
+#pragma GCC unroll 8
+      for (int t = 0; t < kChunk; ++t) {
+        const __m128i shift = _mm_cvtsi32_si128(BITS == 4 ? (t % 4) * 8 + (t / 4) * 4 : t * 8);
+        const __m256i l0 = _mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(v0, shift), mask), bias_q);
+        const __m256i l1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(v1, shift), mask), bias_q);
+        __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(l0), scale[p].lo);
+        __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(l1), scale[p].hi);
+        if constexpr (OFFSET) {
+          w0 = _mm256_add_ps(w0, offset[p].lo);
+          w1 = _mm256_add_ps(w1, offset[p].hi);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_set1_ps(x[r * ldx + i0 + t]);
+          acc[r * NP + p].lo = _mm256_fmadd_ps(xv, w0, acc[r * NP + p].lo);
+          acc[r * NP + p].hi = _mm256_fmadd_ps(xv, w1, acc[r * NP + p].hi);
+        }
+      }
+    }
+  }
+  store_tile<R, NP>(acc, y, ldy, cols, bias);
+}
+
+// acc + per 32-bit lane the sum of 4 products u8 x s8 (vpdpbusd without VNNI).
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+  const __m256i pairs = _mm256_maddubs_epi16(u8, s8);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// ---- int8 activations (see the AVX-512 qdot_tile): the same integer dots, the same float
+// updates once per block of 32 inputs.
+template <int R, int NP, int BITS, bool OFFSET>
+inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int32_t* xs,
+                      const QPanelPtr* pn, int64_t k, int64_t group, float* y, int64_t ldy,
+                      const int64_t* cols, const float* const* bias) {
+  const int64_t nb = k / kQB;
+  Q16 sum[R * NP];
+  for (int i = 0; i < R * NP; ++i) sum[i] = q16_zero();
+  const __m256i nibbles = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
+  Q16 scale[NP], offset[NP];
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kQB;
+    if (i0 % group == 0) {
+      for (int p = 0; p < NP; ++p) {
+        scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
+        if constexpr (OFFSET) {
+          offset[p] = load_half16(pn[p].m + (i0 / group) * kSStride);
+        } else {
+          const __m256 f = _mm256_set1_ps(BITS == 4 ? -8.f : -128.f);
+          offset[p] = {_mm256_mul_ps(scale[p].lo, f), _mm256_mul_ps(scale[p].hi, f)};
+        }
+      }
+    }
+    __m256i dot[R * NP][2];
+    for (int i = 0; i < R * NP; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+    for (int64_t c = i0 / (BITS == 4 ? 8 : 4); c < (i0 + kQB) / (BITS == 4 ? 8 : 4); ++c) {
+      for (int p = 0; p < NP; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * kQStride), _MM_HINT_T0);
+        const __m256i v[2] = {
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride + 32))};
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (BITS == 4) {
+            const __m256i lo = _mm256_and_si256(v[h], nibbles);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v[h], 4), nibbles);
+            for (int r = 0; r < R; ++r) {
+              int32_t x0, x1;
+              std::memcpy(&x0, xq + r * ldq + c * 8, 4);
+              std::memcpy(&x1, xq + r * ldq + c * 8 + 4, 4);
+              dot[r * NP + p][h] = dot4(dot[r * NP + p][h], lo, _mm256_set1_epi32(x0));
+              dot[r * NP + p][h] = dot4(dot[r * NP + p][h], hi, _mm256_set1_epi32(x1));
+            }
+          } else {
+            const __m256i q = _mm256_xor_si256(v[h], flip);  // the signed level
+            const __m256i mag = _mm256_sign_epi8(q, q);  // |q| (-128 reads as 128 unsigned)
+            for (int r = 0; r < R; ++r) {
+              int32_t x0;
+              std::memcpy(&x0, xq + r * ldq + c * 4, 4);
+              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x0), q);
+              dot[r * NP + p][h] = dot4(dot[r * NP + p][h], mag, sx);
+            }
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d_x = xd[r * nb + b];
+      const __m256 vxd = _mm256_set1_ps(d_x), vxs = _mm256_set1_ps(d_x * float(xs[r * nb + b]));
+      // 8 bits: the dot of the stored levels (q + 128), as vpdpbusd gives it.
+      const __m256i stored = _mm256_set1_epi32(BITS == 8 ? 128 * xs[r * nb + b] : 0);
+      for (int p = 0; p < NP; ++p) {
+        Q16& s = sum[r * NP + p];
+        const __m256i d0 = _mm256_add_epi32(dot[r * NP + p][0], stored);
+        const __m256i d1 = _mm256_add_epi32(dot[r * NP + p][1], stored);
+        s.lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(scale[p].lo, vxd), s.lo);
+        s.hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(scale[p].hi, vxd), s.hi);
+        s.lo = _mm256_fmadd_ps(offset[p].lo, vxs, s.lo);
+        s.hi = _mm256_fmadd_ps(offset[p].hi, vxs, s.hi);
+      }
+    }
+  }
+  store_tile<R, NP>(sum, y, ldy, cols, bias);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Quantise each row of x in blocks of 32 (see the AVX-512 quantize_rows: the same levels).
+inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd,
+                          int32_t* xs) {
+  const int64_t nb = k / kQB;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kQB;
+      __m256 a[4];
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+      const float amax = hmax8(mx);
+      const float d = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m256 vi = _mm256_set1_ps(inv);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i)
+        q[i] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(a[i], vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // Saturating packs interleave 128-bit lanes; the permute restores the inputs' order.
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + b * kQB),
+                          _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+      xd[r * nb + b] = d;
+      xs[r * nb + b] = _mm_cvtsi128_si32(s4);
+    }
+  }
+}
+#endif  // STRAIT_AVX2
+
+#if STRAIT_AVX2
 // Rows [0, m) against panels [p0, p1) of one thread: four panels at a time for one row (four
 // independent chains), two for more rows; tiles of rows below the accumulator limit.
 template <int BITS, bool OFFSET>
@@ -601,8 +811,8 @@ struct QLinear {
       bias[j] = bp ? bp + (p + j) * kNR : nullptr;
     }
     float* y = yp + p * kNR;
-    constexpr int rows_exact = 16 / NP > 8 ? 8 : 16 / NP;  // rows per tile
-    constexpr int rows_dot = 16 / NP > 8 ? 8 : 16 / NP;
+    constexpr int rows_exact = kQAcc / NP > 8 ? 8 : kQAcc / NP;  // rows per tile
+    constexpr int rows_dot = rows_exact;
     int64_t r = 0;
     if (exact) {
       for (; r + rows_exact <= m; r += rows_exact)
@@ -642,16 +852,18 @@ struct QLinear {
 #endif
 
 // x [M, K] float32 . block-quantized weight (+ bias [N]) -> [M, N] float32. `bits` 4 or 8;
-// `act_bits` 32 (exact) or 8 (int8 activations, see above). Needs AVX-512 (+ VNNI for 8);
+// `act_bits` 32 (exact) or 8 (int8 activations, see above). Needs AVX2 (8: AVX2's or VNNI's
+// integer dot, STRAIT_QDOT);
 // the Python side serves these formats through torch's ops elsewhere.
 torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qweight,
                            const torch::Tensor& scales, const torch::Tensor& mins, int64_t n,
                            int64_t bits, int64_t group, int64_t act_bits,
                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(STRAIT_AVX512, "block_linear needs AVX-512");
+  TORCH_CHECK(STRAIT_AVX2, "block_linear needs AVX2 and FMA");
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32, "x must be [M, K] f32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(act_bits == 32 || (act_bits == 8 && STRAIT_VNNI), "act_bits must be 32 or 8 (VNNI)");
+  TORCH_CHECK(act_bits == 32 || (act_bits == 8 && STRAIT_QDOT),
+              "act_bits must be 32 or 8 (AVX-512 VNNI or AVX2)");
   const auto x = input.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = qweight.size(0);
   const int64_t panels = (n + kNR - 1) / kNR;
@@ -676,7 +888,7 @@ torch::Tensor block_linear(const torch::Tensor& input, const torch::Tensor& qwei
   TORCH_CHECK(groups * kPanelsPerGroup * kNR >= n && (groups - 1) * kPanelsPerGroup * kNR < n,
               "block_linear: N mismatch");
   auto out = torch::empty({m, n}, x.options());
-#if STRAIT_AVX512
+#if STRAIT_AVX2
   const float* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -1118,4 +1330,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
   m.attr("avx512") = static_cast<bool>(STRAIT_AVX512);
   m.attr("vnni") = static_cast<bool>(STRAIT_VNNI);
+  m.attr("block_kernel") = static_cast<bool>(STRAIT_AVX2);  // block_linear runs here
+  m.attr("int8_dot") = static_cast<bool>(STRAIT_QDOT);  // ... with int8 activations too
 }

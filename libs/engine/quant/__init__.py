@@ -13,7 +13,7 @@ at start-up, ``ModelRunner.weights_summary``).
 | ``int4`` | :mod:`.int4` | asymmetric 4-bit groups (``quant_group_size``); the LM head int8 |
 | ``int8`` | :mod:`.int8` | symmetric 8-bit, one scale per output row |
 
-Kernels (:mod:`.blocks`): Strait's ``block_linear`` on AVX-512 CPUs for float32 models (float32
+Kernels (:mod:`.blocks`): Strait's ``block_linear`` on AVX2 / AVX-512 CPUs for float32 models (float32
 activations); torch's ``_weight_int4pack_mm(_for_cpu)`` / ``_weight_int8pack_mm`` elsewhere,
 CUDA included (bf16 activations).
 """
@@ -48,6 +48,7 @@ __all__ = [
     "QuantReport",
     "WeightOnlyLinear",
     "cast_parameters",
+    "levels_to_huge_pages",
     "quantize_model",
 ]
 
@@ -133,7 +134,6 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
         report.layers[layer.kind] += 1
-    _levels_to_huge_pages([x for x in layers.values() if isinstance(x, BlockLinear)])
     return report
 
 
@@ -147,8 +147,12 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
 
 
-def _levels_to_huge_pages(layers: list[BlockLinear]) -> None:
+def levels_to_huge_pages(model: nn.Module) -> None:
     """Every block layer's levels into one arena on huge pages, in the model's order: each
-    step streams all of them, as it streams the packed float weights (decision 0008)."""
+    step streams all of them, as it streams the packed float weights (decision 0008). Called
+    by the model runner once the layers are final (after ``engine.fuse_projections``)."""
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    if not layers:
+        return
     for layer, view in zip(layers, host_memory.gather([x.qweight for x in layers]), strict=True):
         layer.qweight = view

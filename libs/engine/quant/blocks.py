@@ -4,11 +4,11 @@ Every format's builder (``gguf``, ``int4``, ``int8``) describes each linear as :
 (levels, fp16 scales and offsets per group of inputs, in the model's row order), and
 :func:`make_linear` picks the layer that serves it:
 
-- :class:`BlockLinear` — Strait's ``block_linear`` kernel (AVX-512 CPUs, float32 models):
+- :class:`BlockLinear` — Strait's ``block_linear`` kernel (AVX2 or AVX-512 CPUs, float32 models):
   float32 activations, each weight widened in registers exactly as the ``gguf`` package
   dequantises it, so a model served from a GGUF's Q4_0 / Q4_1 / Q8_0 blocks gives the bits of
   the float32 model converted from that GGUF (docs/decisions/0009-block-quantized-kernel.md);
-- elsewhere (CUDA, CPUs without AVX-512, bf16 models): torch's weight-only ops on bf16
+- elsewhere (CUDA, CPUs without AVX2, bf16 models): torch's weight-only ops on bf16
   activations, :class:`~libs.engine.quant.int4.Int4Linear` (``_weight_int4pack_mm``) for
   4-bit levels and :class:`~libs.engine.quant.int8.Int8Linear` (``_weight_int8pack_mm``, one
   scale per row: group-wise 8-bit blocks are re-quantised per row) for 8-bit ones.
@@ -111,6 +111,31 @@ class BlockLinear(WeightOnlyLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
 
+    @classmethod
+    def concat(cls, layers: list[BlockLinear]) -> BlockLinear | None:
+        """One layer whose outputs are ``layers``' outputs side by side, sharing their packed
+        levels (each output row is computed as before); None unless all are one format and all
+        but the last fill whole groups of panels (padding rows would sit between them)."""
+        first = layers[0]
+        fmt = (first.in_features, first.bits, first.group, first.act_bits, first.mins.numel() > 0)
+        if any(
+            (m.in_features, m.bits, m.group, m.act_bits, m.mins.numel() > 0) != fmt for m in layers
+        ) or any(m.out_features % GROUP_ROWS for m in layers[:-1]):
+            return None
+        if any(m.bias is None for m in layers) != all(m.bias is None for m in layers):
+            return None
+        bias = None if first.bias is None else torch.cat([m.bias for m in layers])  # type: ignore[misc]
+        out = cls.__new__(cls)
+        WeightOnlyLinear.__init__(out, first.in_features, sum(m.out_features for m in layers), bias)
+        out.kernels, out.bits, out.group = first.kernels, first.bits, first.group
+        out.act_bits, out.kind = first.act_bits, first.kind
+        for name in ("qweight", "scales", "mins"):
+            parts = [getattr(m, name) for m in layers]
+            out.register_buffer(
+                name, parts[0] if name == "mins" and not parts[0].numel() else torch.cat(parts)
+            )
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -135,7 +160,7 @@ def kernel_serves(kernels: Any, dtype: torch.dtype, device: torch.device) -> boo
     """True when :class:`BlockLinear` can serve a model in ``dtype`` on ``device``."""
     return (
         kernels is not None
-        and bool(getattr(kernels, "avx512", False))
+        and bool(getattr(kernels, "block_kernel", False))
         and dtype == torch.float32
         and device.type == "cpu"
     )
@@ -154,8 +179,9 @@ def make_linear(
     from libs.engine.quant.int8 import Int8Linear
 
     if kernels is not None:
-        # int8 activation blocks need VNNI and groups of 32 inputs; else the exact path.
-        if act_bits == 8 and not (getattr(kernels, "vnni", False) and blocks.group % 32 == 0):
+        # int8 activation blocks need an integer dot (AVX-512 VNNI, or AVX2's vpmaddubsw)
+        # and groups of 32 inputs; else the exact path.
+        if act_bits == 8 and not (getattr(kernels, "int8_dot", False) and blocks.group % 32 == 0):
             act_bits = 32
         return BlockLinear(blocks, bias, kernels, act_bits)
     k = blocks.q.shape[1]

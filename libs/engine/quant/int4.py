@@ -5,7 +5,7 @@ tinygemm kernel torchao's ``int4_weight_only`` uses) on CUDA; both compute, per 
 ``group`` input features, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 and bf16
 ``scale``/``zero``. Weights come from a float checkpoint (:func:`int4_blocks`, asymmetric min/max per group) or
 straight from a GGUF's 4-bit blocks (:mod:`libs.engine.quant.gguf`: Q4_0, Q4_1, Q4_K map onto
-the same formula); on AVX-512 CPUs Strait's own kernel serves them instead
+the same formula); on AVX2 / AVX-512 CPUs Strait's own kernel serves them instead
 (:mod:`libs.engine.quant.blocks`).
 """
 

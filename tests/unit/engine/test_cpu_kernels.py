@@ -66,6 +66,31 @@ def test_avx512_and_avx2_builds_give_the_same_bits(k) -> None:
             assert torch.equal(y, avx2.packed_linear(x, avx2.pack_weight(w), n, b)), (m, n, kdim)
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2/AVX-512 are x86-64 builds")
+@pytest.mark.parametrize(("bits", "offsets"), [(4, True), (4, False), (8, False)])
+def test_block_kernel_builds_give_the_same_bits(k, bits: int, offsets: bool) -> None:
+    """The block kernel's AVX2 tiles (two 8-float halves a panel, vpmaddubsw for the integer
+    dot) compute what the AVX-512 ones (VNNI) compute, bit for bit, on both paths. On a CPU
+    without AVX-512 both builds take the AVX2 path and agree trivially."""
+    from libs.engine.quant import Blocks
+    from libs.engine.quant.blocks import fp16_exact, pack
+
+    avx2 = kernels.build("avx2")
+    assert avx2.block_kernel and avx2.int8_dot
+    torch.manual_seed(2)
+    n, kdim, group = 200, 128, 64 if bits == 4 else 128
+    q = torch.randint(0, 16, (n, kdim)) if bits == 4 else torch.randint(-128, 128, (n, kdim))
+    d = fp16_exact(torch.rand(n, kdim // group) * 0.05 + 1e-3)
+    m = fp16_exact(torch.randn(n, kdim // group) * 0.1) if offsets else None
+    qweight, scales, mins = pack(Blocks(q, d, m, bits, group))
+    bias = torch.randn(n)
+    for act_bits in (32, 8) if k.int8_dot else (32,):
+        for rows in (1, 3, 8, 13):
+            x = torch.randn(rows, kdim)
+            args = (x, qweight, scales, mins, n, bits, group, act_bits, bias)
+            assert torch.equal(k.block_linear(*args), avx2.block_linear(*args)), (act_bits, rows)
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 40, 49152, 49155])
 def test_argmax_rows_matches_torch_argmax(k, n: int) -> None:
     """Greedy decoding takes this arg-max: it must pick torch's index in every case, ties
