@@ -604,7 +604,9 @@ inline Q16 load_half16(const uint16_t* p) {
 template <int R, int NP>
 inline void store_tile(const Q16* acc, float* y, int64_t ldy, const int64_t* cols,
                        const float* const* bias) {
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
     for (int p = 0; p < NP; ++p) {
       float tmp[kNR];
       _mm256_storeu_ps(tmp, acc[r * NP + p].lo);
@@ -623,16 +625,19 @@ inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_
   const __m256i mask = _mm256_set1_epi32(BITS == 4 ? 0x0F : 0xFF);
   const __m256i bias_q = _mm256_set1_epi32(BITS == 4 ? (OFFSET ? 0 : 8) : 128);
   Q16 acc[R * NP];
+#pragma GCC unroll 16
   for (int i = 0; i < R * NP; ++i) acc[i] = q16_zero();
   Q16 scale[NP], offset[NP];
   for (int64_t c = 0; c < k / kChunk; ++c) {
     const int64_t i0 = c * kChunk;
     if (i0 % group == 0) {
+#pragma GCC unroll 16
       for (int p = 0; p < NP; ++p) {
         scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
         if constexpr (OFFSET) offset[p] = load_half16(pn[p].m + (i0 / group) * kSStride);
       }
     }
+#pragma GCC unroll 16
     for (int p = 0; p < NP; ++p) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride + 32));
@@ -647,6 +652,7 @@ inline void qexact_tile(const float* x, int64_t ldx, const QPanelPtr* pn, int64_
           w0 = _mm256_add_ps(w0, offset[p].lo);
           w1 = _mm256_add_ps(w1, offset[p].hi);
         }
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_set1_ps(x[r * ldx + i0 + t]);
           acc[r * NP + p].lo = _mm256_fmadd_ps(xv, w0, acc[r * NP + p].lo);
@@ -672,12 +678,14 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
                       const int64_t* cols, const float* const* bias) {
   const int64_t nb = k / kQB;
   Q16 sum[R * NP];
+#pragma GCC unroll 16
   for (int i = 0; i < R * NP; ++i) sum[i] = q16_zero();
   const __m256i nibbles = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
   Q16 scale[NP], offset[NP];
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * kQB;
     if (i0 % group == 0) {
+#pragma GCC unroll 16
       for (int p = 0; p < NP; ++p) {
         scale[p] = load_half16(pn[p].d + (i0 / group) * kSStride);
         if constexpr (OFFSET) {
@@ -689,27 +697,35 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
       }
     }
     __m256i dot[R * NP][2];
+#pragma GCC unroll 16
     for (int i = 0; i < R * NP; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
     for (int64_t c = i0 / (BITS == 4 ? 8 : 4); c < (i0 + kQB) / (BITS == 4 ? 8 : 4); ++c) {
+#pragma GCC unroll 16
       for (int p = 0; p < NP; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(pn[p].q + (c + kQPrefetch) * kQStride), _MM_HINT_T0);
         const __m256i v[2] = {
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride)),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn[p].q + c * kQStride + 32))};
+#pragma GCC unroll 16
         for (int h = 0; h < 2; ++h) {
           if constexpr (BITS == 4) {
+            // Pairs summed in 16 bits over the whole block (8 products of <= 2 * 15 * 127
+            // each: < 2^15), widened once per block below.
             const __m256i lo = _mm256_and_si256(v[h], nibbles);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v[h], 4), nibbles);
+#pragma GCC unroll 16
             for (int r = 0; r < R; ++r) {
               int32_t x0, x1;
               std::memcpy(&x0, xq + r * ldq + c * 8, 4);
               std::memcpy(&x1, xq + r * ldq + c * 8 + 4, 4);
-              dot[r * NP + p][h] = dot4(dot[r * NP + p][h], lo, _mm256_set1_epi32(x0));
-              dot[r * NP + p][h] = dot4(dot[r * NP + p][h], hi, _mm256_set1_epi32(x1));
+              __m256i& d16 = dot[r * NP + p][h];
+              d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+              d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
             }
           } else {
             const __m256i q = _mm256_xor_si256(v[h], flip);  // the signed level
             const __m256i mag = _mm256_sign_epi8(q, q);  // |q| (-128 reads as 128 unsigned)
+#pragma GCC unroll 16
             for (int r = 0; r < R; ++r) {
               int32_t x0;
               std::memcpy(&x0, xq + r * ldq + c * 4, 4);
@@ -720,15 +736,22 @@ inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int3
         }
       }
     }
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float d_x = xd[r * nb + b];
       const __m256 vxd = _mm256_set1_ps(d_x), vxs = _mm256_set1_ps(d_x * float(xs[r * nb + b]));
       // 8 bits: the dot of the stored levels (q + 128), as vpdpbusd gives it.
       const __m256i stored = _mm256_set1_epi32(BITS == 8 ? 128 * xs[r * nb + b] : 0);
+#pragma GCC unroll 16
       for (int p = 0; p < NP; ++p) {
         Q16& s = sum[r * NP + p];
-        const __m256i d0 = _mm256_add_epi32(dot[r * NP + p][0], stored);
-        const __m256i d1 = _mm256_add_epi32(dot[r * NP + p][1], stored);
+        __m256i d0 = dot[r * NP + p][0], d1 = dot[r * NP + p][1];
+        if constexpr (BITS == 4) {  // the block's 16-bit pair sums to 32 bits
+          d0 = _mm256_madd_epi16(d0, _mm256_set1_epi16(1));
+          d1 = _mm256_madd_epi16(d1, _mm256_set1_epi16(1));
+        }
+        d0 = _mm256_add_epi32(d0, stored);
+        d1 = _mm256_add_epi32(d1, stored);
         s.lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(scale[p].lo, vxd), s.lo);
         s.hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(scale[p].hi, vxd), s.hi);
         s.lo = _mm256_fmadd_ps(offset[p].lo, vxs, s.lo);
