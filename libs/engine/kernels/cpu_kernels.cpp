@@ -588,7 +588,7 @@ inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, floa
 // together on an AVX-512 machine). Without VNNI, a 4-byte dot product is vpmaddubsw then
 // vpmaddwd: exact for 4-bit levels (|pair| <= 2 * 15 * 127); 8-bit levels are multiplied
 // signed (sign trick, |pair| <= 2 * 128 * 127) and the stored +128 added back per block.
-constexpr int kQAcc = 4;  // 16-column accumulators a tile may hold (two ymm each, 16 ymm in all)
+constexpr int kQAcc = 4;  // 16-column accumulators a tile may hold (two ymm each; 16 ymm in all)
 
 struct Q16 {  // 16 float lanes: one panel's columns
   __m256 lo, hi;
@@ -867,6 +867,14 @@ struct QLinear {
   // last group's panels two and one at a time.
   void run(int64_t p0, int64_t p1) const {
     int64_t p = p0;
+#if !STRAIT_AVX512
+    // AVX2, several rows: one panel a tile and the most rows (each chunk's levels unpacked
+    // once for all of them; the group's other panels follow from L2).
+    if (m > 1) {
+      for (; p < p1; ++p) panels_at<1>(p);
+      return;
+    }
+#endif
     for (; p + 4 <= p1; p += 4) panels_at<4>(p);
     for (; p + 2 <= p1; p += 2) panels_at<2>(p);
     for (; p < p1; ++p) panels_at<1>(p);
