@@ -19,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import msgspec
 import torch
 
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
+from libs.engine import metrics
 from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.kv_transfer import KvBlocks
 from libs.protocol import ChatMessage, Priority, SamplingParams
@@ -304,12 +306,15 @@ class AsyncEngineBackend:
                 self._wake.wait(IDLE_POLL_S)
                 self._wake.clear()
                 continue
+            started = time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception as e:  # a bug or OOM: fail what is running, keep serving
                 log.exception("engine step failed")
                 self._fail_all(engine, BackendError("internal_error", f"engine step failed: {e}"))
                 continue
+            kind = "decode" if engine.last_step_decode_only else "mixed"
+            metrics.STEP.labels(kind=kind).observe(time.perf_counter() - started)
             self._update_load()
             if outputs:
                 self._deliver([self._with_export(engine, out) for out in outputs])

@@ -88,6 +88,7 @@ class LLMEngine:
         self.max_model_len = min(settings.max_model_len, limit)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.requests: dict[str, _Request] = {}
+        self.last_step_decode_only = False
         self.num_steps = 0
         # Resumed sequences whose given first token is reported by the next step.
         self._resumed: list[Sequence] = []
@@ -195,6 +196,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._collect(resumed)
+        # Metrics tell decode-only steps (the per-token cost) from those computing prompts.
+        self.last_step_decode_only = all(i.num_new_tokens == 1 for i in sched.scheduled)
         logits = self.runner.execute(sched.scheduled)  # [S, vocab]
         self.num_steps += 1
         return self._update(sched, logits, resumed)

@@ -1,0 +1,18 @@
+"""Prometheus metrics of the engine thread (``AsyncEngineBackend``), scraped with the worker's.
+
+``strait_engine_step_seconds`` is the engine's own time per token at one stream: compare it
+with the worker's ``strait_worker_itl_seconds`` and the client's ITL to see what the token path
+adds (docs/performance.md, "The token path").
+"""
+
+from prometheus_client import Histogram
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
+
+STEP = Histogram(
+    "strait_engine_step_seconds",
+    "One engine step (schedule, forward, sample, detokenize) by kind: decode (every scheduled "
+    "sequence decodes one token) or mixed (prefill chunks in the batch)",
+    ["kind"],
+    buckets=STEP_BUCKETS,
+)
