@@ -69,6 +69,29 @@ async def test_concurrent_requests_and_prefix_cache_hits(backend: AsyncEngineBac
         assert chunks[-1].num_cached_tokens > 0
 
 
+async def test_a_consumer_that_falls_behind_gets_coalesced_frames(
+    backend: AsyncEngineBackend,
+) -> None:
+    """Outputs waiting when the consumer comes back arrive merged per choice, in order, with
+    nothing lost: the same tokens, text and logprobs as a consumer that keeps up."""
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = {"prompt": "frames coalesce when the reader is slow"}
+    steady = await collect(backend, "steady", sampling, **prompt)
+    prepared = backend.prepare(sampling=sampling, prompt_token_ids=None, messages=None, **prompt)
+    slow = []
+    async for chunk in backend.generate("slow", prepared, sampling, "interactive"):
+        slow.append(chunk)
+        if len(slow) == 1:
+            await asyncio.sleep(0.5)  # the engine runs on: eleven tokens wait
+    assert len(steady) == 12 and len(slow) < len(steady)
+    for field in ("token_ids", "logprobs"):
+        assert [x for c in slow for x in getattr(c, field)] == [
+            x for c in steady for x in getattr(c, field)
+        ]
+    assert "".join(c.text for c in slow) == "".join(c.text for c in steady)
+    assert slow[-1].finish_reason == "length" and all(c.finish_reason is None for c in slow[:-1])
+
+
 async def test_prepare_validates(backend: AsyncEngineBackend) -> None:
     sp = SamplingParams(max_tokens=10)
     with pytest.raises(BackendError) as e:
