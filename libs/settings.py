@@ -310,6 +310,8 @@ class Settings(BaseSettings):
         env_prefix="STRAIT_",
         env_nested_delimiter="__",
         extra="ignore",
+        # Settings(state_dir=...) in code and tests, STRAIT_STATE_DIR in the environment.
+        populate_by_name=True,
     )
 
     nats: NatsSettings = Field(default_factory=NatsSettings)
@@ -356,6 +358,12 @@ class Settings(BaseSettings):
         fields = ("quantization", "dtype", "kv_cache_dtype")
         update = {f: getattr(pool, f) for f in fields if getattr(pool, f) is not None}
         return self.engine.model_copy(update=update) if update else self.engine
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        """Where inductor keeps compiled graphs (``engine.compile``) for ``strait up``'s
+        processes (``TORCHINDUCTOR_CACHE_DIR``; libs/engine/warm.py fills it ahead)."""
+        return Path(self.state_dir).resolve() / "inductor"
 
     @property
     def database_url(self) -> str:

@@ -28,6 +28,9 @@ from libs.settings import Settings, model_identity
 MAX_RESTARTS = 3
 STOP_GRACE_S = 15.0
 READY_TIMEOUT_S = 180.0
+# The user's own inductor cache, read before anything imports torch (torch writes its default
+# into the environment); otherwise compiled graphs go under the state dir.
+USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 # First port of the workers' /metrics listeners (one per worker, counting up).
 WORKER_METRICS_BASE_PORT = 9200
 
@@ -93,6 +96,8 @@ class Fleet:
         env["NATS_URL"] = self.settings.nats.url
         env["DATABASE_URL"] = self.settings.database_url
         env.setdefault("STRAIT_TELEMETRY__LOG_JSON", "false")
+        # Compiled graphs (engine.compile) live with the fleet's state, warmed by warm_pools.
+        env["TORCHINDUCTOR_CACHE_DIR"] = USER_INDUCTOR_DIR or str(self.settings.compile_cache_dir)
         env.update(extra)
         return env
 
@@ -229,6 +234,10 @@ def up(settings: Settings) -> int:
     try:
         fleet.ensure_nats()
         prepare_models(settings)
+        if any(p.backend == "engine" and settings.engine_for(p).compile for p in settings.pools):
+            from libs.engine.warm import warm_pools  # imports torch: only when a pool compiles
+
+            warm_pools(settings, fleet.child_env(), say)
         key = dev_api_key(settings)
         fleet.plan()
         fleet.start_all()

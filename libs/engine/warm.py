@@ -1,0 +1,151 @@
+"""Compile each pool's forward once, ahead of its workers (``engine.compile``'s start-up, paid once).
+
+``strait up`` calls :func:`warm_pools` before it starts the workers: for every engine pool with
+``compile`` on whose compiled graphs this machine has not built yet, it runs this module in a
+child process (``python -m libs.engine.warm POOL``), which builds the engine exactly as a
+worker would and compiles both graphs, showing a progress bar; torch's inductor keeps the
+result in ``Settings.compile_cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, set for every child
+of ``strait up``), where the workers find it and start in tens of seconds instead of minutes.
+
+Whether a pool is warm is a marker file named by :func:`warm_key`: the model's files, the
+pool's engine settings, torch's version, this CPU's features and the source of every module
+that shapes the compiled graph. Anything else changing makes a new key and a new warm-up. The
+marker only decides whether to warm ahead; inductor's own cache keys decide what is reused, so
+a stale or missing cache is recompiled, never misused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+from libs.settings import PoolSettings, Settings
+
+# Modules whose source shapes the compiled forward (a change makes every marker stale).
+GRAPH_SOURCES = (
+    "model_runner.py",
+    "attention.py",
+    "fuse.py",
+    "kernels/cpu_kernels.cpp",
+    "kernels/ops.py",
+    "kernels/linear.py",
+    "quant/__init__.py",
+    "quant/blocks.py",
+    "quant/base.py",
+    "quant/gguf.py",
+    "quant/int4.py",
+    "quant/int8.py",
+)
+# The progress bar's scale: a first compile of SmolLM2's two graphs on 2 cores (5-8 min).
+EXPECTED_COMPILE_S = 420
+# KV budget of the warm-up engine: the cache's block count is a symbolic size of the graphs,
+# so a small cache compiles the graphs a worker's large one uses.
+WARM_KV_BYTES = 64 * 2**20
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
+    """A short hash of everything that decides the pool's compiled graphs (see the module)."""
+    engine = settings.engine_for(pool)
+    h = hashlib.sha256()
+    budget = {"kv_cache_bytes", "kv_cache_memory_fraction"}  # a symbolic size of the graphs
+    h.update(engine.model_dump_json(exclude=budget).encode())
+    h.update(version("torch").encode())
+    h.update(_cpu_flags().encode())
+    here = Path(__file__).parent
+    for name in GRAPH_SOURCES:
+        h.update((here / name).read_bytes())
+    for f in sorted(model_dir.glob("*.json")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _marker(settings: Settings, pool: PoolSettings, model_dir: Path) -> Path:
+    return settings.compile_cache_dir / f"warm-{pool.name}-{warm_key(settings, pool, model_dir)}"
+
+
+def needs_warm(settings: Settings, pool: PoolSettings) -> bool:
+    """True when ``pool`` compiles and its graphs for this machine have not been built."""
+    if pool.backend != "engine" or not settings.engine_for(pool).compile:
+        return False
+    from libs.models import prepare_model
+
+    return not _marker(settings, pool, prepare_model(pool.model, settings)).exists()
+
+
+def warm_pools(settings: Settings, env: dict[str, str], say: Callable[[str], None] = print) -> None:
+    """Warm every pool that needs it, one child process each (called by ``strait up``);
+    raises ``RuntimeError`` when a warm-up fails."""
+    for pool in settings.pools:
+        if not needs_warm(settings, pool):
+            continue
+        say(f"pool {pool.name}: compiling the forward once for this machine (cached after)")
+        cmd = [sys.executable, "-m", "libs.engine.warm", pool.name]
+        if subprocess.run(cmd, env=env, check=False).returncode != 0:
+            raise RuntimeError(f"compiling pool {pool.name}'s forward failed (see above)")
+
+
+def _progress(stop: threading.Event, label: str) -> None:
+    """A bar over the expected compile time (inductor reports no progress of its own)."""
+    from tqdm import tqdm
+
+    fmt = "{l_bar}{bar}| {elapsed}"
+    with tqdm(total=EXPECTED_COMPILE_S, desc=label, unit="s", bar_format=fmt) as bar:
+        started = time.monotonic()
+        while not stop.wait(1.0):
+            bar.n = min(int(time.monotonic() - started), EXPECTED_COMPILE_S - 1)
+            bar.refresh()
+        bar.n = EXPECTED_COMPILE_S
+        bar.refresh()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m libs.engine.warm POOL``: build POOL's engine with ``compile`` on, as its
+    workers will, then write the pool's marker."""
+    from libs.engine.engine import LLMEngine
+    from libs.models import prepare_model
+    from libs.settings import get_settings, model_identity
+
+    args = sys.argv[1:] if argv is None else argv
+    settings = get_settings()
+    pool = next((p for p in settings.pools if p.name == args[0]), None)
+    if pool is None:
+        print(f"no pool named {args[0]!r}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.compile_cache_dir))
+    model_dir = prepare_model(pool.model, settings)
+    engine = settings.engine_for(pool).model_copy(update={"kv_cache_bytes": WARM_KV_BYTES})
+    if engine.num_threads:  # the workers' thread count: inductor's kernels depend on it
+        import torch
+
+        torch.set_num_threads(engine.num_threads)
+    stop = threading.Event()
+    bar = threading.Thread(target=_progress, args=(stop, f"compile {pool.name}"), daemon=True)
+    bar.start()
+    try:
+        LLMEngine.from_path(model_dir, engine, model_identity(pool.model, engine))
+    finally:
+        stop.set()
+        bar.join()
+    marker = _marker(settings, pool, model_dir)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``strait up``'s compile warm-up: which pools it warms and when a warm-up goes stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.engine import warm
+from libs.settings import EngineSettings, PoolSettings, Settings
+from tests.unit.engine.helpers import save_tiny_model_dir
+
+pytestmark = pytest.mark.unit
+
+
+def _settings(tmp_path: Path, model_dir: Path, **engine: object) -> Settings:
+    return Settings(
+        state_dir=str(tmp_path / "state"),
+        engine=EngineSettings(**engine),
+        pools=[PoolSettings(name="p", model=str(model_dir))],
+    )
+
+
+def test_a_pool_is_warmed_once_per_graph_shaping_change(tmp_path: Path) -> None:
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    s = _settings(tmp_path, model_dir, compile=True)
+    pool = s.pools[0]
+    assert warm.needs_warm(s, pool)
+    marker = warm._marker(s, pool, model_dir)
+    assert marker.parent == s.compile_cache_dir
+    marker.parent.mkdir(parents=True)
+    marker.touch()
+    assert not warm.needs_warm(s, pool)
+    # The KV budget is a symbolic size of the graphs: no new warm-up.
+    budget = _settings(tmp_path, model_dir, compile=True, kv_cache_bytes=2**30)
+    assert not warm.needs_warm(budget, budget.pools[0])
+    # The weights' format, the thread count or the model's config: a new one.
+    for changed in ({"quantization": "int8"}, {"num_threads": 1}):
+        other = _settings(tmp_path, model_dir, compile=True, **changed)
+        assert warm.needs_warm(other, other.pools[0]), changed
+    (model_dir / "config.json").write_text((model_dir / "config.json").read_text() + " ")
+    assert warm.needs_warm(s, pool)
+
+
+def test_pools_that_do_not_compile_are_not_warmed(tmp_path: Path) -> None:
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    eager = _settings(tmp_path, model_dir, compile=False)
+    assert not warm.needs_warm(eager, eager.pools[0])
+    fake = Settings(
+        state_dir=str(tmp_path / "state"),
+        engine=EngineSettings(compile=True),
+        pools=[PoolSettings(name="f", model="fake-model", backend="fake")],
+    )
+    assert not warm.needs_warm(fake, fake.pools[0])
