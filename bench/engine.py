@@ -198,7 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="engine.compile on: torch.compile the forward (compiled while the engine is built)",
+        help="engine.compile on: torch.compile the forward (compiled while the engine is built; "
+        "configs/strait.toml already turns it on, STRAIT_ENGINE__COMPILE=false turns it off)",
     )
     p.add_argument(
         "--quantization",
