@@ -191,8 +191,9 @@ class EngineSettings(BaseModel):
     # cannot, "off" runs torch's kernels only.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # torch.compile the forward (with the CPU kernels): fuses transformers' small ops and drops
-    # most per-op Python overhead; compiles at start (~5 min on 2 cores the first time, ~20 s
-    # from inductor's disk cache). Decisions 0006, 0007.
+    # most per-op Python overhead; compiles at start (5-8 min on 2 cores the first time, ~30 s
+    # from inductor's disk cache; `strait up` compiles ahead, libs/engine/warm.py). Decisions
+    # 0006, 0007.
     compile: bool = False
     # One linear for attention's q/k/v and one for the MLP's gate/up in every llama-family
     # layer (libs/engine/fuse.py): three kernel calls a layer fewer, the same answers.

@@ -110,7 +110,6 @@ def _mergeable(a: StepOutput, b: Any) -> bool:
         isinstance(b, StepOutput)
         and b.chunk.index == a.chunk.index
         and a.chunk.finish_reason is None
-        and not a.request_finished
     )
 
 

@@ -17,7 +17,6 @@ a stale or missing cache is recompiled, never misused.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
+from libs.engine import kernels
 from libs.settings import PoolSettings, Settings
 
 # Modules whose source shapes the compiled forward (a change makes every marker stale).
@@ -50,14 +50,6 @@ EXPECTED_COMPILE_S = 420
 WARM_KV_BYTES = 64 * 2**20
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     """A short hash of everything that decides the pool's compiled graphs (see the module)."""
     engine = settings.engine_for(pool)
@@ -65,7 +57,7 @@ def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     budget = {"kv_cache_bytes", "kv_cache_memory_fraction"}  # a symbolic size of the graphs
     h.update(engine.model_dump_json(exclude=budget).encode())
     h.update(version("torch").encode())
-    h.update(_cpu_flags().encode())
+    h.update(kernels.cpu_tag().encode())
     here = Path(__file__).parent
     for name in GRAPH_SOURCES:
         h.update((here / name).read_bytes())
@@ -126,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     if pool is None:
         print(f"no pool named {args[0]!r}", file=sys.stderr)
         return 2
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.compile_cache_dir))
     model_dir = prepare_model(pool.model, settings)
     engine = settings.engine_for(pool).model_copy(update={"kv_cache_bytes": WARM_KV_BYTES})
     if engine.num_threads:  # the workers' thread count: inductor's kernels depend on it

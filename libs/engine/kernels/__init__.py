@@ -29,7 +29,7 @@ _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """Short hash of this CPU's feature flags: builds use -march=native, so a build cached for
     one CPU is never loaded on another."""
     flags = platform.machine()
@@ -62,7 +62,7 @@ def build(variant: str = "native") -> Any:
 
         flags, suffix = VARIANTS[variant]
         module = load_extension(
-            name=f"strait_cpu_kernels_{_cpu_tag()}{suffix}",
+            name=f"strait_cpu_kernels_{cpu_tag()}{suffix}",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
             # libgomp resolves to the copy torch has already loaded (same soname), so the

@@ -584,8 +584,8 @@ inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, floa
 
 #if !STRAIT_AVX512 && STRAIT_AVX2
 // The same tiles on AVX2 (+ FMA, F16C): a panel's 16 columns as two 8-float halves, the same
-// arithmetic in the same order, so both builds give the same bits (test_quant holds them
-// together on an AVX-512 machine). Without VNNI, a 4-byte dot product is vpmaddubsw then
+// arithmetic in the same order, so both builds give the same bits (test_cpu_kernels holds
+// them together on an AVX-512 machine). Without VNNI, a 4-byte dot product is vpmaddubsw then
 // vpmaddwd: exact for 4-bit levels (|pair| <= 2 * 15 * 127); 8-bit levels are multiplied
 // signed (sign trick, |pair| <= 2 * 128 * 127) and the stored +128 added back per block.
 constexpr int kQAcc = 4;  // 16-column accumulators a tile may hold (two ymm each; 16 ymm in all)
@@ -1361,6 +1361,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
   m.attr("avx512") = static_cast<bool>(STRAIT_AVX512);
   m.attr("vnni") = static_cast<bool>(STRAIT_VNNI);
-  m.attr("block_kernel") = static_cast<bool>(STRAIT_AVX2);  // block_linear runs here
-  m.attr("int8_dot") = static_cast<bool>(STRAIT_QDOT);  // ... with int8 activations too
+  m.attr("int8_dot") = static_cast<bool>(STRAIT_QDOT);  // block_linear's int8 activations
 }

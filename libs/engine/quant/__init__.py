@@ -13,8 +13,8 @@ at start-up, ``ModelRunner.weights_summary``).
 | ``int4`` | :mod:`.int4` | asymmetric 4-bit groups (``quant_group_size``); the LM head int8 |
 | ``int8`` | :mod:`.int8` | symmetric 8-bit, one scale per output row |
 
-Kernels (:mod:`.blocks`): Strait's ``block_linear`` on AVX2 / AVX-512 CPUs for float32 models (float32
-activations); torch's ``_weight_int4pack_mm(_for_cpu)`` / ``_weight_int8pack_mm`` elsewhere,
+Kernels (:mod:`.blocks`): Strait's ``block_linear`` on AVX2 / AVX-512 CPUs for float32 models
+(float32 activations); torch's ``_weight_int4pack_mm(_for_cpu)`` / ``_weight_int8pack_mm`` elsewhere,
 CUDA included (bf16 activations).
 """
 

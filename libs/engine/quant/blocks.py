@@ -160,7 +160,7 @@ def kernel_serves(kernels: Any, dtype: torch.dtype, device: torch.device) -> boo
     """True when :class:`BlockLinear` can serve a model in ``dtype`` on ``device``."""
     return (
         kernels is not None
-        and bool(getattr(kernels, "block_kernel", False))
+        and bool(getattr(kernels, "avx2", False))  # block_linear is built with the AVX2 paths
         and dtype == torch.float32
         and device.type == "cpu"
     )

@@ -76,7 +76,7 @@ def test_block_kernel_builds_give_the_same_bits(k, bits: int, offsets: bool) -> 
     from libs.engine.quant.blocks import fp16_exact, pack
 
     avx2 = kernels.build("avx2")
-    assert avx2.block_kernel and avx2.int8_dot
+    assert avx2.avx2 and avx2.int8_dot
     torch.manual_seed(2)
     n, kdim, group = 200, 128, 64 if bits == 4 else 128
     q = torch.randint(0, 16, (n, kdim)) if bits == 4 else torch.randint(-128, 128, (n, kdim))
