@@ -53,6 +53,8 @@ class GatewaySettings(BaseModel):
     port: int = 8000
     # Requests this gateway process will hold at once; past it: 503 + Retry-After.
     max_inflight: int = 256
+    # Bytes of one request body (POST); past it: 413 request_too_large before the body is parsed.
+    max_body_bytes: int = 4 * 1024 * 1024
     # Seconds the gateway waits for the first stream message before giving up with 503.
     first_message_timeout_s: float = 120.0
     # Seconds of silence allowed between stream messages once a request is running.
