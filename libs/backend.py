@@ -20,6 +20,7 @@ from libs.protocol import (
     Priority,
     SamplingParams,
 )
+from libs.tools import ToolSpec
 
 
 class BackendError(Exception):
@@ -45,6 +46,8 @@ class PreparedPrompt:
     token_ids: list[int]
     # Prompt text is kept only for the fake backend's length model; never logged.
     text: str = ""
+    # The request's constraint as validated llguidance grammar text (None: unconstrained).
+    grammar: str | None = None
 
 
 @dataclass(slots=True)
@@ -101,10 +104,12 @@ class Backend(Protocol):
         prompt_token_ids: list[int] | None,
         messages: list[ChatMessage] | None,
         sampling: SamplingParams,
+        tools: ToolSpec | None = None,
     ) -> PreparedPrompt:
-        """Apply the chat template / tokenize and validate. Raises BackendError
-        (``context_length_exceeded`` when prompt + max_tokens exceed the model's context,
-        ``invalid_request`` for bad token ids)."""
+        """Apply the chat template (with ``tools``) / tokenize, validate, compile the request's
+        grammar. Raises BackendError (``context_length_exceeded`` when prompt + max_tokens
+        exceed the model's context, ``invalid_request`` for bad token ids or an invalid
+        constraint). Workers call it on a thread, off their event loop."""
         ...
 
     def generate(

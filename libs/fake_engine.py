@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import FakeEngineSettings
+from libs.tools import ToolSpec
 
 FAKE_VOCAB = 50_000
 _WORDS = (
@@ -92,7 +93,15 @@ class FakeBackend:
         prompt_token_ids: list[int] | None,
         messages: list[ChatMessage] | None,
         sampling: SamplingParams,
+        tools: ToolSpec | None = None,
     ) -> PreparedPrompt:
+        if sampling.structured is not None or (tools is not None and tools.forced):
+            raise BackendError(
+                "invalid_request",
+                "the fake engine enforces no grammar: structured outputs and forced tool calls "
+                "need a model pool",
+                "response_format",
+            )
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
             text = ""

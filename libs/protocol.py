@@ -31,8 +31,14 @@ SUPPORTED_VERSIONS = frozenset({1})
 
 T = TypeVar("T")
 
+# Bounds on a request's constraint (characters of a regex or grammar; logit_bias entries).
+MAX_GRAMMAR_CHARS = 65_536
+MAX_LOGIT_BIAS = 1024
+
 Priority = Literal["interactive", "batch"]
-FinishReason = Literal["stop", "length", "abort"]
+# "tool_calls": the choice ended with tool calls (TokenDelta.tool_calls), as OpenAI's.
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+ToolChoice = Literal["none", "auto", "required"]
 
 
 class Struct(msgspec.Struct, forbid_unknown_fields=False):
@@ -42,9 +48,52 @@ class Struct(msgspec.Struct, forbid_unknown_fields=False):
 # ---------------------------------------------------------------- requests
 
 
+class ToolCall(Struct, kw_only=True):
+    """One function call a model made (or, in a request's history, had made)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
 class ChatMessage(Struct):
-    role: str
+    role: str  # system | user | assistant | tool
     content: str
+    # An assistant turn's calls; a tool turn answers one of them by id.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolFunction(Struct, kw_only=True):
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    description: str = ""
+    # A JSON schema of the arguments object.
+    parameters: dict[str, Any] = msgspec.field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+
+
+class StructuredOutput(Struct, kw_only=True):
+    """A constraint on every choice's output (vLLM's ``structured_outputs``), enforced token by
+    token by the worker's grammar engine. Exactly one field is set."""
+
+    json: dict[str, Any] | None = None  # a JSON schema ({"type": "object"}: any JSON object)
+    regex: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] | None = (
+        None  # Lark or GBNF
+    )
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set ("" when none is)."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return ""
 
 
 class SamplingParams(Struct):
@@ -65,6 +114,17 @@ class SamplingParams(Struct):
     ignore_eos: bool = False
     # Number of top alternatives to return per token; None: no log-probabilities.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # Token id → bias added to its logit before anything else (OpenAI's semantics).
+    logit_bias: (
+        Annotated[
+            dict[int, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+            msgspec.Meta(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    # A grammar every choice's output must follow (tools with tool_choice required or a named
+    # function add their own; see GenerateRequest.tools).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +152,14 @@ class GenerateRequest(Struct, kw_only=True):
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
     # Extra stream messages: echo the chosen route before the first token.
     want_route: bool = False
+    # Functions the model may call (rendered by the model's chat template, or by Strait's
+    # fallback when the template has no tool format). tool_choice "required" or tool_name
+    # makes the worker's grammar engine force calls; "auto" parses calls the model chose to
+    # make; "none" never reports calls. Calls arrive on a choice's last TokenDelta.
+    tools: Annotated[list[ToolFunction], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None  # force a call of this function (OpenAI's named tool_choice)
+    parallel_tool_calls: bool = True
 
 
 class RouteReason(Struct):
@@ -183,6 +251,9 @@ class TokenDelta(Struct, tag="delta"):
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
     finish_reason: FinishReason | None = None
+    # On the choice's last delta when it ended with tool calls (finish_reason "tool_calls");
+    # the choice's text then holds the calls' markup too.
+    tool_calls: list[ToolCall] | None = None
     v: int = PROTOCOL_VERSION
 
 
@@ -652,6 +723,28 @@ def validate_request(req: GenerateRequest) -> None:
         )
     if req.messages is not None and not req.messages:
         raise ProtocolError("invalid_request", "messages must not be empty", req.request_id)
+    structured = req.sampling.structured
+    if (
+        structured is not None
+        and sum(getattr(structured, f) is not None for f in ("json", "regex", "choice", "grammar"))
+        != 1
+    ):
+        raise ProtocolError(
+            "invalid_request",
+            "sampling.structured must set exactly one of json, regex, choice, grammar",
+            req.request_id,
+        )
+    names = [t.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise ProtocolError("invalid_request", "tools must have distinct names", req.request_id)
+    if (req.tool_choice == "required" or req.tool_name is not None) and not names:
+        raise ProtocolError(
+            "invalid_request", "tool_choice needs tools to choose from", req.request_id
+        )
+    if req.tool_name is not None and req.tool_name not in names:
+        raise ProtocolError(
+            "invalid_request", f"tool_name {req.tool_name!r} is not one of tools", req.request_id
+        )
     if (
         "." in req.request_id
         or "*" in req.request_id

@@ -34,10 +34,12 @@ import torch
 
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.engine import metrics
+from libs.engine.chat import ChatRenderer
 from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.kv_transfer import KvBlocks
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import EngineSettings, PoolSettings, Settings, model_identity
+from libs.tools import ToolSpec
 
 log = logging.getLogger("strait.engine")
 
@@ -52,6 +54,7 @@ class _Add:
     sampling: SamplingParams
     priority: Priority
     resume: Resume | None = None
+    grammar: str | None = None
     # Export the prompt's full blocks on the engine thread the moment the request finishes
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
@@ -149,6 +152,7 @@ class AsyncEngineBackend:
         self.vocab_size: int = text_config.vocab_size
         limit = getattr(text_config, "max_position_embeddings", 0) or settings.max_model_len
         self.max_model_len: int = min(settings.max_model_len, limit)
+        self.chat = ChatRenderer(self.tokenizer)
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,19 +227,20 @@ class AsyncEngineBackend:
         prompt_token_ids: list[int] | None,
         messages: list[ChatMessage] | None,
         sampling: SamplingParams,
+        tools: ToolSpec | None = None,
     ) -> PreparedPrompt:
-        """Chat template / tokenize, then check ids and length. Raises BackendError."""
+        """Chat template / tokenize, check ids and length, compile the request's grammar.
+        Raises BackendError. Called by the workers on a thread off their event loop (it may
+        take milliseconds: a long prompt's tokens, a schema's validation)."""
         param = "messages" if messages is not None else "prompt"
         text = ""
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
+            text = self.chat.render(messages, tools)
+            self._check_length_before_tokenizing(len(text), sampling, param)
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         elif prompt is not None:
             text = prompt
+            self._check_length_before_tokenizing(len(text), sampling, param)
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif prompt_token_ids is not None:
             ids = list(prompt_token_ids)
@@ -257,7 +262,34 @@ class AsyncEngineBackend:
                 f"model's context ({self.max_model_len} tokens)",
                 param,
             )
-        return PreparedPrompt(token_ids=ids, text=text)
+        bias = sampling.logit_bias or {}
+        if any(not 0 <= t < self.vocab_size for t in bias):
+            raise BackendError(
+                "invalid_request",
+                f"logit_bias names a token outside the vocabulary (0..{self.vocab_size - 1})",
+                "logit_bias",
+            )
+        grammar = None
+        if sampling.structured is not None or (tools is not None and tools.forced):
+            if self._engine is None or self._engine.grammars is None:
+                raise BackendError("internal_error", "the engine is not started")
+            grammar = self._engine.grammars.compile(sampling.structured, tools)
+        return PreparedPrompt(token_ids=ids, text=text, grammar=grammar)
+
+    def _check_length_before_tokenizing(
+        self, chars: int, sampling: SamplingParams, param: str
+    ) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before a tokenizer
+        spends time on it: a token spans at most ``chat.max_token_chars`` characters."""
+        at_least = chars // self.chat.max_token_chars
+        if at_least + sampling.max_tokens > self.max_model_len:
+            raise BackendError(
+                "context_length_exceeded",
+                f"the prompt ({chars} characters, at least {at_least} tokens) + max_tokens "
+                f"({sampling.max_tokens}) exceeds the model's context ({self.max_model_len} "
+                "tokens)",
+                param,
+            )
 
     async def generate(
         self,
@@ -269,7 +301,7 @@ class AsyncEngineBackend:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream chunks until every choice finished; closing early aborts the request.
         ``resume``: the first token was sampled by a prefill worker (KV handoff)."""
-        add = _Add(request_id, list(prompt.token_ids), sampling, priority, resume)
+        add = _Add(request_id, list(prompt.token_ids), sampling, priority, resume, prompt.grammar)
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
             yield item.chunk
@@ -280,7 +312,9 @@ class AsyncEngineBackend:
         """Compute the prompt and sample the first token only (the prefill worker's half of a
         disaggregated request); the prompt's blocks stay in this engine's prefix cache."""
         first = msgspec.structs.replace(sampling, max_tokens=1)
-        add = _Add(request_id, list(prompt.token_ids), first, priority, export=True)
+        add = _Add(
+            request_id, list(prompt.token_ids), first, priority, grammar=prompt.grammar, export=True
+        )
         async for item in self._run_request(add):
             if isinstance(item, PrefillResult):
                 return item
@@ -393,7 +427,12 @@ class AsyncEngineBackend:
                 continue
             try:
                 engine.add_request(
-                    cmd.request_id, cmd.token_ids, cmd.sampling, cmd.priority, cmd.resume
+                    cmd.request_id,
+                    cmd.token_ids,
+                    cmd.sampling,
+                    cmd.priority,
+                    cmd.resume,
+                    cmd.grammar,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)

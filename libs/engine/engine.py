@@ -31,6 +31,7 @@ from libs.engine.model_runner import ModelRunner, load_model
 from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
+from libs.engine.structured import Grammars
 from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
 from libs.settings import EngineSettings
 
@@ -59,6 +60,7 @@ class _Request:
     request_id: str
     sampling: SamplingParams
     seqs: list[Sequence]
+    grammar: str | None = None  # llguidance grammar text every choice follows
 
 
 class LLMEngine:
@@ -87,6 +89,10 @@ class LLMEngine:
         limit = self.runner.shape.max_position_embeddings or settings.max_model_len
         self.max_model_len = min(settings.max_model_len, limit)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.grammars: Grammars | None = None
+        if tokenizer is not None:
+            vocab = self.runner.shape.vocab_size
+            self.grammars = Grammars(tokenizer, vocab, sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
         self.last_step_decode_only = False
         self.num_steps = 0
@@ -112,11 +118,13 @@ class LLMEngine:
         sampling: SamplingParams,
         priority: Priority = "interactive",
         resume: Resume | None = None,
+        grammar: str | None = None,
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
         With ``resume`` (n = 1 only), the first output token is given, not sampled; it is
-        reported in the next step's output."""
+        reported in the next step's output. ``grammar``: llguidance grammar text (from
+        ``Grammars.compile``) that every choice's output follows."""
         if resume is not None and sampling.n != 1:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
@@ -139,8 +147,17 @@ class LLMEngine:
                 "engine.kv_cache_bytes",
                 "prompt",
             )
-        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), sampling, priority)
-        self.requests[request_id] = _Request(request_id, sampling, [seq])
+        vocab = self.runner.shape.vocab_size
+        if sampling.logit_bias and not all(0 <= t < vocab for t in sampling.logit_bias):
+            raise BackendError(
+                "invalid_request", f"logit_bias names a token outside 0..{vocab - 1}", "logit_bias"
+            )
+        if grammar is not None and self.grammars is None:
+            raise BackendError("invalid_request", "this engine has no tokenizer for grammars")
+        req = _Request(request_id, sampling, [], grammar)
+        seq = self._new_sequence(req, 0, list(prompt_token_ids), priority)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
         if resume is not None:
             self.sampler.skip(sampling, seq.generator, self.runner.shape.vocab_size)
             self._append(seq, resume.token_id, resume.logprobs)
@@ -150,21 +167,21 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _new_sequence(
-        self,
-        request_id: str,
-        index: int,
-        prompt: list[int],
-        sampling: SamplingParams,
-        priority: Priority,
+        self, req: _Request, index: int, prompt: list[int], priority: Priority
     ) -> Sequence:
+        sampling = req.sampling
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator().manual_seed(choice_seed(sampling.seed, index))
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        matcher = None
+        if req.grammar is not None:
+            assert self.grammars is not None
+            matcher = self.grammars.matcher(req.grammar)
         return Sequence(
-            request_id=request_id,
+            request_id=req.request_id,
             index=index,
             token_ids=prompt,
             num_prompt_tokens=len(prompt),
@@ -172,6 +189,7 @@ class LLMEngine:
             priority=priority,
             generator=generator,
             detokenizer=detok,
+            matcher=matcher,
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -222,7 +240,9 @@ class LLMEngine:
                 family += self._fork(seq)
                 new_children += family[1:]
             for s in family:
-                rows.append(SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts))
+                rows.append(
+                    SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts, s.matcher)
+                )
                 row_logits.append(num_logit_rows)
                 sampling_seqs.append(s)
             num_logit_rows += 1
@@ -249,11 +269,7 @@ class LLMEngine:
         children = []
         for i in range(1, parent.sampling.n):
             child = self._new_sequence(
-                parent.request_id,
-                i,
-                parent.token_ids[: parent.num_prompt_tokens],
-                parent.sampling,
-                parent.priority,
+                req, i, parent.token_ids[: parent.num_prompt_tokens], parent.priority
             )
             child.arrival = parent.arrival
             child.forked = True
@@ -269,12 +285,16 @@ class LLMEngine:
             seq.pending_logprobs.append(lp)
         p = seq.sampling
         reason: FinishReason | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        grammar_ended = seq.matcher is not None and self._advance_grammar(seq, token)
+        eos_ends = not p.ignore_eos or grammar_ended  # a grammar's own end is never ignored
+        if token in p.stop_token_ids or (eos_ends and token in self.eos_token_ids):
             reason = "stop"  # the stop token's text is not part of the output
         elif seq.detokenizer is not None:
             seq.pending_text += seq.detokenizer.add_tokens([token])
             if seq.detokenizer.stopped:
                 reason = "stop"
+        if reason is None and grammar_ended:
+            reason = "stop"
         if reason is None and (
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -287,6 +307,21 @@ class LLMEngine:
                 seq.status = SeqStatus.FINISHED
             else:
                 self.scheduler.remove(seq)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> bool:
+        """Feed ``token`` to the sequence's matcher; True when the grammar has ended (its EOS
+        was taken, or the grammar allows nothing more). A token the grammar refuses can only
+        come from outside the sampler's mask (a resumed token of another grammar): the output
+        ends there rather than continue unconstrained."""
+        m = seq.matcher
+        if not m.consume_token(token):
+            log.warning(
+                "token outside the grammar",
+                extra={"request_id": seq.request_id, "error": m.get_error()},
+            )
+            return True
+        return bool(m.is_stopped())
 
     def _logprob_entry(self, lp: TokenLogprobs) -> LogprobEntry:
         text = self._token_text

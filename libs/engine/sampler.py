@@ -4,6 +4,8 @@ Called by the engine once per step with one logits row per sampled position and 
 :class:`SamplingRow` per row (a row of a prompt's last token appears ``n`` times when the
 request forks into ``n`` choices). Order of processing per row, as in the OpenAI/HF APIs:
 
+0. ``logit_bias`` added, then the grammar's mask (rows whose sequence has a matcher: tokens the
+   grammar does not allow next get -inf; see ``libs.engine.structured``);
 1. penalties: repetition (HF semantics: prompt + output tokens, divide positive logits /
    multiply negative ones), then frequency and presence (OpenAI: output tokens only);
 2. log-probabilities, when asked, from the penalised logits before temperature;
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from libs.engine.structured import mask_rows
 from libs.protocol import SamplingParams
 
 
@@ -31,6 +35,7 @@ class SamplingRow:
     generator: torch.Generator | None  # None: the sampler's shared generator
     token_ids: Sequence[int]  # prompt + output (repetition penalty)
     output_counts: dict[int, int]  # output token id → count (frequency/presence penalties)
+    matcher: Any = None  # llguidance matcher of a constrained sequence
 
 
 @dataclass(slots=True)
@@ -73,9 +78,16 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return SampleOutput([], [])
-        # [S, V]; copied only when penalties will modify it in place (the caller's is not ours)
+        # [S, V]; copied only when something will modify it in place (the caller's is not ours)
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
         penalised = any(_has_penalties(r) for r in rows)
-        logits = logits.to("cpu", torch.float32, copy=penalised)
+        logits = logits.to("cpu", torch.float32, copy=penalised or bool(biased or constrained))
+        for i in biased:
+            bias = rows[i].params.logit_bias or {}
+            logits[i, torch.tensor(list(bias))] += torch.tensor(list(bias.values()))
+        if constrained:
+            mask_rows(logits, constrained, [rows[i].matcher for i in constrained])
         if penalised:
             self._apply_penalties(logits, rows)
         out_ids = [0] * len(rows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,8 @@ class Sequence:
     # Per-choice random generator when the request has a seed (reproducible whatever the batch).
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # llguidance matcher of a constrained request, advanced with every output token.
+    matcher: Any = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

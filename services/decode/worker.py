@@ -9,6 +9,7 @@ A ``CancelRequest`` aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from libs.protocol import (
     Subjects,
     Timings,
     TokenDelta,
+    ToolCall,
     Usage,
     WorkerBeat,
     decode,
@@ -44,6 +46,7 @@ from libs.protocol import (
 )
 from libs.settings import Settings
 from libs.telemetry import extract_context, tracer
+from libs.tools import ToolCallCollector, ToolSpec
 from services.deadletter import dead_letter
 from services.decode import metrics
 
@@ -131,7 +134,11 @@ class Worker:
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
 
-    async def send_chunk(self, out: StreamWriter, chunk: GenerationChunk) -> None:
+    async def send_chunk(
+        self, out: StreamWriter, chunk: GenerationChunk, tool_calls: list[ToolCall] | None = None
+    ) -> None:
+        """One TokenDelta; ``tool_calls`` (on a choice's last chunk) turn its finish into
+        ``tool_calls``."""
         await out.send(
             TokenDelta(
                 seq=out.next_seq(),
@@ -140,7 +147,8 @@ class Worker:
                 text=chunk.text,
                 token_ids=chunk.token_ids,
                 logprobs=chunk.logprobs,
-                finish_reason=chunk.finish_reason,
+                finish_reason="tool_calls" if tool_calls else chunk.finish_reason,
+                tool_calls=tool_calls or None,
             )
         )
 
@@ -240,13 +248,19 @@ class Worker:
         try:
             if req.want_route and handoff is None:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
-            prompt = self.backend.prepare(
-                prompt=None if handoff else req.prompt,
-                prompt_token_ids=handoff.prompt_token_ids if handoff else req.prompt_token_ids,
-                messages=None if handoff else req.messages,
-                sampling=req.sampling,
+            tools = ToolSpec.of(req)
+            prompt = await asyncio.to_thread(
+                functools.partial(
+                    self.backend.prepare,
+                    prompt=None if handoff else req.prompt,
+                    prompt_token_ids=handoff.prompt_token_ids if handoff else req.prompt_token_ids,
+                    messages=None if handoff else req.messages,
+                    sampling=req.sampling,
+                    tools=tools,
+                )
             )
             usage.prompt_tokens = len(prompt.token_ids)
+            calls = ToolCallCollector(tools, req.sampling.n) if tools and tools.parsed else None
             gen = self.backend.generate(rid, prompt, req.sampling, req.priority, resume)
             async for chunk in gen:
                 now = time.perf_counter()
@@ -272,7 +286,7 @@ class Worker:
                 usage.cached_tokens = (
                     handoff.num_cached_tokens if handoff else chunk.num_cached_tokens
                 )
-                await self.send_chunk(out, chunk)
+                await self.send_chunk(out, chunk, calls.add(chunk) if calls else None)
             total = ttft_offset + time.perf_counter() - started
             await self.send_finished(out, a, usage, ttft, total)
         except (Exception, asyncio.CancelledError) as e:

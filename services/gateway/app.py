@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
-from libs.protocol import GenerateRequest, UsageEvent
+from libs.protocol import GenerateRequest, SamplingParams, UsageEvent
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
+from services.gateway.body_limit import BodyLimit
 from services.gateway.cache import ResponseCache, cache_key, is_deterministic
 from services.gateway.completions import (
     ChunkShaper,
@@ -59,6 +60,17 @@ def estimate_tokens(req: GenerateRequest) -> int:
         )
         prompt = len(text) // CHARS_PER_TOKEN + 1
     return prompt + req.sampling.max_tokens * req.sampling.n
+
+
+def sampling_of(
+    body: ChatCompletionRequest | CompletionRequest, default_max: int
+) -> SamplingParams:
+    """The body's sampling parameters; a constraint that cannot be read is a 400 on its field."""
+    try:
+        return body.sampling(default_max, body.logprobs_n())
+    except ValueError as e:
+        param = "response_format" if body.response_format else "structured_outputs"
+        raise ApiError(400, str(e), "invalid_request", param) from None
 
 
 def create_app(
@@ -103,6 +115,7 @@ def create_app(
     app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
     app.state.cache = cache = ResponseCache(g)
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=g.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -243,7 +256,10 @@ def create_app(
 
         app.state.inflight += 1
         metrics.INFLIGHT.set(app.state.inflight)
-        run = CompletionRun(app.state.fleet, kind, req, key.key_id, body.include_usage, on_close)
+        aliases = {"structured_outputs.json": "response_format"} if body.response_format else {}
+        run = CompletionRun(
+            app.state.fleet, kind, req, key.key_id, body.include_usage, on_close, aliases
+        )
         headers = {"X-Strait-Cache": "miss" if ck else "bypass"}
         try:
             first = await run.start()
@@ -261,15 +277,20 @@ def create_app(
             messages = body.wire_messages()
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request", "messages") from None
+        tools, tool_choice, tool_name = body.wire_tools()
         req = GenerateRequest(
             request_id=new_request_id("chat"),
             model=body.model,
             messages=messages,
-            sampling=body.sampling(DEFAULT_CHAT_MAX_TOKENS, body.logprobs_n()),
+            sampling=sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
             priority=body.priority,
             api_key_id=key.key_id,
             user=body.user,
             want_route=True,
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_name=tool_name,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
         return await submit("chat", body, key, req)
 
@@ -287,7 +308,7 @@ def create_app(
             model=body.model,
             prompt=prompt,
             prompt_token_ids=ids,
-            sampling=body.sampling(DEFAULT_TEXT_MAX_TOKENS, body.logprobs_n()),
+            sampling=sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
             priority=body.priority,
             api_key_id=key.key_id,
             user=body.user,

@@ -25,6 +25,9 @@ STREAM_FIELDS = frozenset({"stream", "stream_options"})
 
 
 def is_deterministic(body: BaseModel) -> bool:
+    """Greedy or seeded, and not a tool-calling request (its calls get fresh ids each time)."""
+    if getattr(body, "tools", None):
+        return False
     return getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
 
 

@@ -36,9 +36,11 @@ from libs.protocol import (
     Routed,
     StreamMessage,
     TokenDelta,
+    ToolCall,
     UsageEvent,
 )
 from libs.telemetry import tracer
+from libs.tools import CALL_OPEN, CallMarkupFilter
 from services.gateway import metrics
 from services.gateway.errors import ApiError
 from services.gateway.fleet import Fleet, FleetUnavailable
@@ -133,6 +135,25 @@ def _finished_usage(f: Finished) -> dict[str, Any]:
     return usage_json(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_tokens)
 
 
+def tool_calls_json(calls: list[ToolCall], streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` (a streamed delta's entries carry their ``index``)."""
+    out = []
+    for k, c in enumerate(calls):
+        call: dict[str, Any] = {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        out.append({"index": k, **call} if streamed else call)
+    return out
+
+
+def content_before_calls(text: str) -> str | None:
+    """A tool-calling choice's own words (before its first call); None when it has none."""
+    at = text.find(CALL_OPEN)
+    return (text[:at] if at >= 0 else text).strip() or None
+
+
 class Accumulator:
     """The whole response assembled from token deltas (for ``collect`` and the cache)."""
 
@@ -140,6 +161,7 @@ class Accumulator:
         self.texts = [""] * n
         self.reasons: list[str | None] = [None] * n
         self.logprobs: list[list[LogprobEntry] | None] = [None] * n
+        self.calls: list[list[ToolCall] | None] = [None] * n
 
     def add(self, d: TokenDelta) -> None:
         if not 0 <= d.index < len(self.texts):
@@ -149,6 +171,8 @@ class Accumulator:
             self.logprobs[d.index] = (self.logprobs[d.index] or []) + d.logprobs
         if d.finish_reason is not None:
             self.reasons[d.index] = d.finish_reason
+        if d.tool_calls:
+            self.calls[d.index] = d.tool_calls
 
     def body(
         self, kind: Kind, request_id: str, created: int, model: str, f: Finished
@@ -158,7 +182,11 @@ class Accumulator:
             reason = self.reasons[i] or "stop"
             lp = _logprobs_json(kind, self.logprobs[i])
             if kind == "chat":
-                msg = {"role": "assistant", "content": text}
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                calls = self.calls[i]
+                if calls:
+                    msg["content"] = content_before_calls(text)
+                    msg["tool_calls"] = tool_calls_json(calls)
                 choices.append(
                     {"index": i, "message": msg, "logprobs": lp, "finish_reason": reason}
                 )
@@ -209,6 +237,14 @@ class ChunkShaper:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self.chunk([choice])
+
+    def tool_calls(self, index: int, calls: list[ToolCall], first: bool) -> str:
+        delta: dict[str, Any] = {"tool_calls": tool_calls_json(calls, streamed=True)}
+        if first:
+            delta = {"role": "assistant", "content": None, **delta}
+        return self.chunk(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
 
     def finish(self, index: int, reason: str) -> str:
         if self.kind == "chat":
@@ -270,8 +306,12 @@ class CompletionRun:
         api_key_id: str | None,
         include_usage: bool,
         on_close: Callable[[CompletionRun], None] | None = None,
+        param_aliases: dict[str, str] | None = None,
     ) -> None:
+        """``param_aliases``: a worker's error param → the body field the client sent (the
+        worker names ``structured_outputs.json`` for a ``response_format`` schema)."""
         self.fleet = fleet
+        self.param_aliases = param_aliases or {}
         self.kind = kind
         self.req = req
         self.outcome = Outcome(request_id=req.request_id, api_key_id=api_key_id, model=req.model)
@@ -317,7 +357,10 @@ class CompletionRun:
             first = await self.next_message()
         if isinstance(first, ErrorMessage):
             await self.fail(first.code, first.message)
-            raise ApiError.from_stream(first)
+            err = ApiError.from_stream(first)
+            if err.param is not None:
+                err.param = self.param_aliases.get(err.param, err.param)
+            raise err
         return first
 
     async def next_message(self) -> StreamMessage:
@@ -397,15 +440,31 @@ class CompletionRun:
 
     async def sse(self, first: StreamMessage) -> AsyncIterator[str]:
         started: set[int] = set()
+        # Requests whose calls are reported: text that may start a call's markup is held back.
+        filters = (
+            [CallMarkupFilter() for _ in range(self.req.sampling.n)]
+            if self.kind == "chat"
+            and self.req.tools
+            and (self.req.tool_choice != "none" or self.req.tool_name)
+            else None
+        )
         msg: StreamMessage = first
         try:
             while True:
                 if isinstance(msg, TokenDelta):
                     self._on_delta(msg)
-                    if msg.text or msg.index not in started or msg.logprobs:
+                    text = msg.text
+                    f = filters[msg.index] if filters and 0 <= msg.index < len(filters) else None
+                    if f is not None:
+                        text = f.feed(text)
+                        if msg.finish_reason is not None:
+                            text += f.flush(calls_made=bool(msg.tool_calls))
+                    if text or msg.index not in started or msg.logprobs:
                         lp = _logprobs_json(self.kind, msg.logprobs)
-                        yield self.shaper.delta(msg.index, msg.text, msg.index not in started, lp)
+                        yield self.shaper.delta(msg.index, text, msg.index not in started, lp)
                         started.add(msg.index)
+                    if msg.tool_calls:
+                        yield self.shaper.tool_calls(msg.index, msg.tool_calls, False)
                     if msg.finish_reason is not None:
                         yield self.shaper.finish(msg.index, msg.finish_reason)
                 elif isinstance(msg, Finished):

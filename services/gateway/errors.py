@@ -92,7 +92,17 @@ def install_handlers(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
-        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        ctx = first.get("ctx")
+        cause = ctx.get("error") if isinstance(ctx, dict) else None
+        if first.get("type") == "extra_forbidden":
+            # OpenAI's own answer to a field it does not know.
+            msg = f"Unrecognized request argument supplied: {param}"
+            return ApiError(400, msg, "invalid_request", param).response()
+        if isinstance(cause, ValueError) and hasattr(cause, "name"):  # schemas.UnsupportedField
+            field = f"{param}.{cause.name}" if param else str(cause.name)
+            return ApiError(400, str(cause), "unsupported_parameter", field).response()
+        text = str(first.get("msg")).removeprefix("Value error, ")
+        msg = f"{param}: {text}" if param else text
         return ApiError(400, msg, "invalid_request", param).response()
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:

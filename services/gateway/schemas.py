@@ -1,26 +1,135 @@
 """HTTP request bodies of the OpenAI-compatible API, and their mapping to wire messages.
 
-Unknown fields are accepted and ignored (as OpenAI does). Invalid values raise
-``ApiError(400, param=...)`` through FastAPI's validation handler in ``errors.py``.
+No field is accepted and ignored: every field of OpenAI's chat and completions requests is
+honoured, accepted without effect where that is its meaning here (``metadata``, ``user``,
+``service_tier`` "auto"…, listed in ``docs/api.md``), or refused with a 400 naming it
+(``UNSUPPORTED``); an unknown field is a 400 "Unrecognized request argument supplied", as
+OpenAI answers. Invalid values raise ``ApiError(400, param=...)`` through FastAPI's validation
+handler in ``errors.py``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from libs.protocol import ChatMessage, SamplingParams
+from libs.protocol import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    ChatMessage,
+    SamplingParams,
+    StructuredOutput,
+    ToolCall,
+    ToolChoice,
+    ToolFunction,
+)
+
+# Fields of OpenAI's requests that Strait refuses when set (to anything but null / their
+# no-op value), with the reason the 400 gives.
+UNSUPPORTED: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "functions": "`functions` is deprecated and not supported; use `tools`",
+    "function_call": "`function_call` is deprecated and not supported; use `tool_choice`",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served models do not reason; reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted without effect (no obfuscation padding)
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # enforced either way: the grammar engine allows nothing else
 
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsIn(_Strict):
+    """vLLM's ``structured_outputs`` extension: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsIn:
+        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object or None]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("set exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def wire(self) -> StructuredOutput:
+        if self.json_object:
+            return StructuredOutput(json={"type": "object"})
+        if isinstance(self.json_, str):
+            try:
+                schema = json.loads(self.json_)
+            except ValueError as e:
+                raise ValueError(f"json is not a JSON schema: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json must be a JSON schema object")
+            return StructuredOutput(json=schema)
+        return StructuredOutput(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar
+        )
+
+
+class FunctionIn(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # enforced whenever the call is forced (tool_choice)
+
+
+class ToolIn(_Strict):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class UnsupportedField(ValueError):
+    """A known OpenAI field that Strait refuses; ``errors.py`` names it as the 400's param."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name = name
+
+
+class _Common(_Strict):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -41,6 +150,58 @@ class _Common(BaseModel):
     # Extensions vLLM users pass: generate past EOS (benchmarks), and extra stop token ids.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    # Accepted without effect (docs/api.md): bookkeeping for OpenAI's own platform.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # prefix caching is on
+    prompt_cache_retention: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: Literal[False] | None = None  # completions are never stored
+    # Refused when set (UNSUPPORTED).
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    suffix: Any = None
+
+    @model_validator(mode="after")
+    def _refused(self) -> _Common:
+        for name, why in UNSUPPORTED.items():
+            if getattr(self, name, None) not in (None, ""):
+                raise UnsupportedField(name, why)
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("set response_format or structured_outputs, not both")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, x in (v or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {k!r}")
+            if not -100.0 <= x <= 100.0:
+                raise ValueError(f"logit_bias values are between -100 and 100; got {x}")
+        return v
+
+    def structured(self) -> StructuredOutput | None:
+        """The constraint of ``response_format`` / ``structured_outputs`` (None: text)."""
+        rf = self.response_format
+        if rf is not None:
+            if rf.type == "json_object":
+                return StructuredOutput(json={"type": "object"})
+            if rf.type == "json_schema":
+                assert rf.json_schema is not None
+                return StructuredOutput(json=rf.json_schema.schema_ or {"type": "object"})
+            return None
+        if self.structured_outputs is not None:
+            return self.structured_outputs.wire()
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -73,6 +234,8 @@ class _Common(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured=self.structured(),
         )
 
     @property
@@ -80,10 +243,48 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCallIn(_Strict):
+    name: str = Field(pattern=_NAME)
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    refusal: str | None = None  # an earlier assistant refusal: kept as its text
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def wire(self) -> ChatMessage:
+        calls = None
+        if self.tool_calls:
+            calls = [
+                ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls
+            ]
+        text = self.text() or (self.refusal or "")
+        return ChatMessage(
+            role="system" if self.role == "developer" else self.role,
+            content=text,
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id,
+            name=self.name,
+        )
 
     def text(self) -> str:
         if self.content is None:
@@ -103,15 +304,45 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolIn] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None  # text is all there is
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return self
+
+    def wire_tools(self) -> tuple[list[ToolFunction] | None, ToolChoice, str | None]:
+        """(tools, tool_choice, forced function name) of the GenerateRequest."""
+        if not self.tools:
+            return None, "auto", None
+        tools = [
+            ToolFunction(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters=t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in self.tools
+        ]
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return tools, "required", choice.function.name
+        return tools, choice or "auto", None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def wire_messages(self) -> list[ChatMessage]:
-        return [
-            ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
-            for m in self.messages
-        ]
+        return [m.wire() for m in self.messages]
 
     def logprobs_n(self) -> int | None:
         if not self.logprobs:
@@ -122,7 +353,14 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field()
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    echo: Literal[False] = False  # echoing the prompt back is not supported
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -17,6 +17,7 @@ commit the decode worker writes everything else (from ``HandoffOffer.next_seq``)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -50,6 +51,7 @@ from libs.protocol import (
 )
 from libs.settings import Settings
 from libs.telemetry import inject_headers
+from libs.tools import ToolCallCollector, ToolSpec
 from services.decode import metrics
 from services.decode.worker import Worker
 
@@ -96,11 +98,15 @@ class PrefillWorker(Worker):
         try:
             if req.want_route:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
-            prompt = self.backend.prepare(
-                prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids,
-                messages=req.messages,
-                sampling=req.sampling,
+            prompt = await asyncio.to_thread(
+                functools.partial(
+                    self.backend.prepare,
+                    prompt=req.prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    messages=req.messages,
+                    sampling=req.sampling,
+                    tools=ToolSpec.of(req),
+                )
             )
             usage.prompt_tokens = len(prompt.token_ids)
             from_service = await self._fetch_cached(prompt)
@@ -160,7 +166,9 @@ class PrefillWorker(Worker):
         prefill_s: float,
         started: float,
     ) -> None:
-        await self.send_chunk(out, res.chunk)
+        tools = ToolSpec.of(a.request)
+        calls = ToolCallCollector(tools, 1).add(res.chunk) if tools and tools.parsed else None
+        await self.send_chunk(out, res.chunk, calls)
         await self.send_finished(out, a, usage, prefill_s, time.perf_counter() - started)
 
     # ------------------------------------------------------------ the handoff
