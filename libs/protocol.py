@@ -114,10 +114,14 @@ class SamplingParams(Struct):
     ignore_eos: bool = False
     # Number of top alternatives to return per token; None: no log-probabilities.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    # Token id → bias added to its logit before anything else (OpenAI's semantics).
+    # Token id (as a decimal string, as OpenAI's JSON has it) → bias added to its logit before
+    # anything else.
     logit_bias: (
         Annotated[
-            dict[int, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+            dict[
+                Annotated[str, msgspec.Meta(pattern="^[0-9]{1,9}$")],
+                Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)],
+            ],
             msgspec.Meta(max_length=MAX_LOGIT_BIAS),
         ]
         | None
@@ -129,6 +133,9 @@ class SamplingParams(Struct):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
 
 class GenerateRequest(Struct, kw_only=True):

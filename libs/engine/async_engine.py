@@ -262,8 +262,7 @@ class AsyncEngineBackend:
                 f"model's context ({self.max_model_len} tokens)",
                 param,
             )
-        bias = sampling.logit_bias or {}
-        if any(not 0 <= t < self.vocab_size for t in bias):
+        if any(not 0 <= t < self.vocab_size for t in sampling.logit_bias_ids()):
             raise BackendError(
                 "invalid_request",
                 f"logit_bias names a token outside the vocabulary (0..{self.vocab_size - 1})",

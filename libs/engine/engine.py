@@ -148,7 +148,7 @@ class LLMEngine:
                 "prompt",
             )
         vocab = self.runner.shape.vocab_size
-        if sampling.logit_bias and not all(0 <= t < vocab for t in sampling.logit_bias):
+        if not all(0 <= t < vocab for t in sampling.logit_bias_ids()):
             raise BackendError(
                 "invalid_request", f"logit_bias names a token outside 0..{vocab - 1}", "logit_bias"
             )

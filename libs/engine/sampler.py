@@ -84,7 +84,7 @@ class Sampler:
         penalised = any(_has_penalties(r) for r in rows)
         logits = logits.to("cpu", torch.float32, copy=penalised or bool(biased or constrained))
         for i in biased:
-            bias = rows[i].params.logit_bias or {}
+            bias = rows[i].params.logit_bias_ids()
             logits[i, torch.tensor(list(bias))] += torch.tensor(list(bias.values()))
         if constrained:
             mask_rows(logits, constrained, [rows[i].matcher for i in constrained])

@@ -183,7 +183,7 @@ class _Common(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k, x in (v or {}).items():
-            if not k.isdigit():
+            if not (k.isascii() and k.isdigit() and len(k) <= 9):
                 raise ValueError(f"logit_bias keys are token ids; got {k!r}")
             if not -100.0 <= x <= 100.0:
                 raise ValueError(f"logit_bias values are between -100 and 100; got {x}")
@@ -234,7 +234,7 @@ class _Common(_Strict):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=self.logit_bias,
             structured=self.structured(),
         )
 

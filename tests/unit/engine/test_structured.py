@@ -184,10 +184,12 @@ def test_logit_bias_forces_and_forbids_tokens(tok) -> None:  # type: ignore[no-u
     prompt = prompts(tok, 1, seed=4)[0]
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     base = run_engine(engine, [Submission("a", prompt, plain)])[("a", 0)].token_ids
-    forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={77: 100.0})
+    forced = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={"77": 100.0}
+    )
     assert run_engine(engine, [Submission("b", prompt, forced)])[("b", 0)].token_ids == [77] * 6
     banned = SamplingParams(
-        max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={base[0]: -100.0}
+        max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={str(base[0]): -100.0}
     )
     out = run_engine(engine, [Submission("c", prompt, banned)])[("c", 0)].token_ids
     assert base[0] not in out[:1]
@@ -198,7 +200,7 @@ def test_logit_bias_forces_and_forbids_tokens(tok) -> None:  # type: ignore[no-u
         logits[base[0]] -= 100.0
     assert out[0] == int(logits.argmax())
     with pytest.raises(BackendError) as e:
-        engine.add_request("d", prompt, SamplingParams(logit_bias={10**6: 1.0}))
+        engine.add_request("d", prompt, SamplingParams(logit_bias={str(10**6): 1.0}))
     assert e.value.param == "logit_bias"
 
 
@@ -257,7 +259,7 @@ def test_parallel_calls_may_end_after_any_call(tok) -> None:  # type: ignore[no-
     engine = make_engine(tok)
     grammar = engine.grammars.compile(None, ToolSpec((WEATHER, TIME), "required"))  # type: ignore[union-attr]
     eos = tok.eos_token_id
-    sp = SamplingParams(max_tokens=200, temperature=0.0, logit_bias={eos: 100.0})
+    sp = SamplingParams(max_tokens=200, temperature=0.0, logit_bias={str(eos): 100.0})
     r = run_engine(engine, [Submission("a", prompts(tok, 1)[0], sp, grammar=grammar)])[("a", 0)]
     assert r.finish_reason == "stop", r.text
     _, calls = parse_tool_calls(r.text, [WEATHER, TIME])
