@@ -210,3 +210,14 @@ class ToolCallCollector:
             return None
         _, calls = parse_tool_calls(self.texts[chunk.index], self.tools)
         return calls or None
+
+
+def constraint_kind(req: GenerateRequest) -> str:
+    """What constrains a request's output, for spans and logs: json, regex, choice, grammar,
+    tools (forced calls), or none."""
+    spec = ToolSpec.of(req)
+    structured = req.sampling.structured
+    kind = structured.kind if structured is not None else ""
+    if spec is not None and spec.forced:
+        return f"{kind}+tools" if kind else "tools"
+    return kind or "none"

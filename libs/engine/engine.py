@@ -85,7 +85,11 @@ class LLMEngine:
         self.kv = KvManager(self.pool, model_id)
         self.scheduler = Scheduler(settings, self.kv)
         kernels = self.runner.kernels
-        self.sampler = Sampler(seed, argmax=kernels.argmax_rows if kernels is not None else None)
+        self.sampler = Sampler(
+            seed,
+            argmax=kernels.argmax_rows if kernels is not None else None,
+            mask=kernels.mask_rows if kernels is not None else None,
+        )
         limit = self.runner.shape.max_position_embeddings or settings.max_model_len
         self.max_model_len = min(settings.max_model_len, limit)
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -16,3 +16,20 @@ STEP = Histogram(
     ["kind"],
     buckets=STEP_BUCKETS,
 )
+
+GRAMMAR_COMPILE = Histogram(
+    "strait_grammar_compile_seconds",
+    "Turning a request's constraint into a validated grammar (worker thread, before queueing)",
+    ["result"],  # hit: already validated on this worker; miss: validated now
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+)
+GRAMMAR_MASK = Histogram(
+    "strait_grammar_mask_seconds",
+    "Filling and applying the allowed-token masks of one step's constrained rows",
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
+)
+CONSTRAINED_ROWS = Histogram(
+    "strait_grammar_constrained_rows",
+    "Constrained rows in a step that has any",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)

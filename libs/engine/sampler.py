@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from libs.engine.structured import mask_rows
+from libs.engine.structured import MaskKernel, mask_rows
 from libs.protocol import SamplingParams
 
 
@@ -61,10 +61,13 @@ class Sampler:
         self,
         seed: int | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mask: MaskKernel | None = None,
     ) -> None:
         """``argmax``: float32 ``[S, V]`` -> int64 ``[S]``, equal to ``torch.argmax(x, -1)``
-        (the engine passes the CPU kernels' ``argmax_rows``); ``None``: torch's."""
+        (the engine passes the CPU kernels' ``argmax_rows``); ``None``: torch's. ``mask``: the
+        CPU kernels' ``mask_rows`` for grammar masks (None: torch ops)."""
         self.argmax = argmax if argmax is not None else _torch_argmax
+        self.mask = mask
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -87,7 +90,7 @@ class Sampler:
             bias = rows[i].params.logit_bias_ids()
             logits[i, torch.tensor(list(bias))] += torch.tensor(list(bias.values()))
         if constrained:
-            mask_rows(logits, constrained, [rows[i].matcher for i in constrained])
+            mask_rows(logits, constrained, [rows[i].matcher for i in constrained], self.mask)
         if penalised:
             self._apply_penalties(logits, rows)
         out_ids = [0] * len(rows)

@@ -46,7 +46,7 @@ from libs.protocol import (
 )
 from libs.settings import Settings
 from libs.telemetry import extract_context, tracer
-from libs.tools import ToolCallCollector, ToolSpec
+from libs.tools import ToolCallCollector, ToolSpec, constraint_kind
 from services.deadletter import dead_letter
 from services.decode import metrics
 
@@ -260,6 +260,7 @@ class Worker:
                 )
             )
             usage.prompt_tokens = len(prompt.token_ids)
+            span.set_attribute("strait.constraint", constraint_kind(req))
             calls = ToolCallCollector(tools, req.sampling.n) if tools and tools.parsed else None
             gen = self.backend.generate(rid, prompt, req.sampling, req.priority, resume)
             async for chunk in gen:

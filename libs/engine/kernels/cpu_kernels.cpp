@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <cmath>
 #include <vector>
@@ -1324,6 +1325,43 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// logits [S, V] float32, modified in place: in row rows[j], every token whose bit is clear in
+// bitmask[j] ([R, W] int32, bit b of word w is token 32 * w + b; tokens past 32 * W are
+// disallowed) becomes -inf. Called by the sampler for the rows of constrained sequences
+// (libs/engine/structured.py); llguidance fills the bitmask. Unpacking the bits with torch ops
+// took ~4 ms for 32 x 49152 logits here, this ~0.1 ms.
+void mask_rows(torch::Tensor logits, const torch::Tensor& rows, const torch::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 &&
+                  logits.is_contiguous(),
+              "logits must be contiguous float32 [S, V]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong, "rows must be int64 [R]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt &&
+                  bitmask.is_contiguous() && bitmask.size(0) == rows.size(0),
+              "bitmask must be contiguous int32 [R, W]");
+  const int64_t n = logits.size(1), words = bitmask.size(1), r_count = rows.size(0);
+  const auto rows_c = rows.contiguous();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  for (int64_t j = 0; j < r_count; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < logits.size(0), "row index out of range");
+  float* xp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, r_count, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      float* x = xp + rp[j] * n;
+      const uint32_t* b = bp + j * words;
+      for (int64_t w = 0; w < words && 32 * w < n; ++w) {
+        const uint32_t bits = b[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t end = std::min<int64_t>(32, n - 32 * w);
+        for (int64_t t = 0; t < end; ++t)
+          if (!((bits >> t) & 1u)) x[32 * w + t] = ninf;
+      }
+      for (int64_t t = 32 * words; t < n; ++t) x[t] = ninf;
+    }
+  });
+}
+
 }  // namespace
 
 // The same kernels as dispatcher ops (torch.ops.strait.*), which torch.compile keeps as opaque
@@ -1358,6 +1396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "write every token's K/V, then attend (one query row per token)");
   m.def("argmax_rows", &argmax_rows, "logits [S, V] -> [S] int64, as torch.argmax(-1)");
+  m.def("mask_rows", &mask_rows,
+        "logits [S, V] (in place): -inf where rows' bitmask [R, W] int32 bits are clear");
   m.attr("avx2") = static_cast<bool>(STRAIT_AVX2);
   m.attr("avx512") = static_cast<bool>(STRAIT_AVX512);
   m.attr("vnni") = static_cast<bool>(STRAIT_VNNI);

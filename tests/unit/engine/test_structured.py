@@ -264,3 +264,45 @@ def test_parallel_calls_may_end_after_any_call(tok) -> None:  # type: ignore[no-
     assert r.finish_reason == "stop", r.text
     _, calls = parse_tool_calls(r.text, [WEATHER, TIME])
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("vocab", [320, 333, 64 * 32 + 5])
+def test_mask_kernel_equals_the_torch_unpacking(vocab: int) -> None:
+    """The CPU kernel's masking equals the torch fallback's: rows picked out of a larger batch,
+    vocabularies that are not a multiple of 32."""
+    from libs.engine import kernels
+    from libs.engine.structured import mask_rows
+
+    k = kernels.load("auto", "cpu", "float32")
+    if k is None:
+        pytest.skip("no CPU kernels on this machine")
+
+    class Fixed:
+        """A stand-in matcher whose allowed tokens are fixed (llguidance fills by pointer)."""
+
+    words = (vocab + 31) // 32
+    g = torch.Generator().manual_seed(vocab)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    bits[1] = -1  # a row where everything in range is allowed
+    import llguidance.torch as llt
+
+    def fill(m, bitmask, j):  # type: ignore[no-untyped-def]
+        bitmask[j] = bits[m.row]
+
+    logits = torch.randn(5, vocab, generator=g)
+    matchers = []
+    for row in range(3):
+        m = Fixed()
+        m.row = row  # type: ignore[attr-defined]
+        matchers.append(m)
+    real_fill = llt.fill_next_token_bitmask
+    llt.fill_next_token_bitmask = fill  # type: ignore[assignment]
+    try:
+        by_kernel, by_torch = logits.clone(), logits.clone()
+        mask_rows(by_kernel, [4, 0, 2], matchers, k.mask_rows)
+        mask_rows(by_torch, [4, 0, 2], matchers, None)
+    finally:
+        llt.fill_next_token_bitmask = real_fill
+    assert torch.equal(by_kernel, by_torch)
+    assert torch.equal(by_kernel[[1, 3]], logits[[1, 3]])  # untouched rows
+    assert bool(torch.isinf(by_kernel[4]).any()) and not bool(torch.isinf(by_kernel[1]).any())
