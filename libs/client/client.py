@@ -54,8 +54,12 @@ from libs.protocol import (
     RouteReason,
     SamplingParams,
     StreamMessage,
+    StructuredOutput,
     Subjects,
     TokenDelta,
+    ToolCall,
+    ToolChoice,
+    ToolFunction,
     Usage,
     UsageEvent,
     decode,
@@ -67,7 +71,7 @@ from libs.telemetry import inject_headers
 log = logging.getLogger("strait.client")
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
-MessageLike = ChatMessage | Mapping[str, str]
+MessageLike = ChatMessage | Mapping[str, Any]
 
 
 class RequestOptions(TypedDict, total=False):
@@ -90,6 +94,14 @@ class RequestOptions(TypedDict, total=False):
     n: int
     logprobs: int | None
     ignore_eos: bool
+    logit_bias: Mapping[int | str, float]
+    # A grammar the output follows: a StructuredOutput or its dict (json / regex / choice /
+    # grammar), as in docs/structured-outputs.md.
+    structured: StructuredOutput | Mapping[str, Any]
+    tools: Sequence[ToolFunction | Mapping[str, Any]]
+    tool_choice: ToolChoice
+    tool_name: str | None
+    parallel_tool_calls: bool
     priority: Priority
     user: str | None
     request_id: str
@@ -111,6 +123,8 @@ class Completion:
     finished: Finished
     route: RouteReason | None = None
     token_ids: list[list[int]] = field(default_factory=list)
+    # Per choice: the calls it ended with (finish_reason "tool_calls"), else None.
+    tool_calls: list[list[ToolCall] | None] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -253,13 +267,16 @@ class StraitClient:
             texts = [""] * n
             reasons: list[FinishReason | None] = [None] * n
             token_ids: list[list[int]] = [[] for _ in range(n)]
+            calls: list[list[ToolCall] | None] = [None] * n
             async for d in gen:
                 texts[d.index] += d.text
                 token_ids[d.index].extend(d.token_ids)
                 if d.finish_reason is not None:
                     reasons[d.index] = d.finish_reason
+                if d.tool_calls:
+                    calls[d.index] = d.tool_calls
         assert gen.finished is not None
-        return Completion(gen.request_id, texts, reasons, gen.finished, gen.route, token_ids)
+        return Completion(gen.request_id, texts, reasons, gen.finished, gen.route, token_ids, calls)
 
     def submit_raw(
         self, payload: bytes, request_id: str, *, first_token_timeout_s: float = 10.0
@@ -304,10 +321,11 @@ class StraitClient:
         return min(server, self.max_payload) if self.max_payload else server
 
 
-def _message(m: MessageLike) -> dict[str, str]:
+def _message(m: MessageLike) -> Any:
+    """A message as the wire has it (a ChatMessage, or a dict with its fields)."""
     if isinstance(m, ChatMessage):
-        return {"role": m.role, "content": m.content}
-    return {"role": m["role"], "content": m["content"]}
+        return m
+    return dict(m)
 
 
 def _headers_size(headers: Mapping[str, str]) -> int:

@@ -15,7 +15,7 @@ Who calls what, and on which thread:
   handoff, or recomputed after a preemption: the matcher follows ``token_ids``, not the KV).
 
 llguidance was measured against xgrammar on this CPU (``../shared/ENGINE-NOTES.md``,
-``docs/decisions/0011-llguidance.md``).
+``docs/decisions/0010-llguidance.md``).
 """
 
 from __future__ import annotations
