@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import datetime as dt
 import ipaddress
+import json
 import platform
 import sys
 from pathlib import Path
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument(
         "--ignore-eos", action="store_true", help="ask for exactly max_tokens (llama.cpp, vLLM)"
+    )
+    gen.add_argument(
+        "--json-schema",
+        metavar="answer|PATH",
+        help="every request's response_format is this JSON schema: 'answer' (a long answer "
+        "string and a confidence) or a schema file; llama-server honours it too",
     )
     slo = p.add_argument_group("SLO for goodput (a request must meet all that are given)")
     slo.add_argument("--slo-ttft-ms", type=float)
@@ -237,6 +244,25 @@ def _write_plots(out_dir: Path, runs: list[RunResult], summaries: list[dict[str,
         plots.plot_sweep(points, x_label, out_dir / "sweep.png")
 
 
+# --json-schema answer: long enough that a 128-token budget is spent inside the answer string.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "minLength": 200, "maxLength": 1200},
+        "confidence": {"enum": ["low", "medium", "high"]},
+    },
+    "required": ["answer", "confidence"],
+    "additionalProperties": False,
+}
+
+
+def response_format(spec: str | None) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    schema = ANSWER_SCHEMA if spec == "answer" else json.loads(Path(spec).read_text())
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -259,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     options = RunOptions(
         api=args.api,
-        sampling=Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos),
+        sampling=Sampling(
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            response_format=response_format(args.json_schema),
+        ),
         duration_s=args.duration,
         request_timeout_s=args.request_timeout,
         seed=args.seed,

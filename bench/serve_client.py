@@ -143,6 +143,8 @@ class Sampling:
 
     temperature: float = 0.0
     ignore_eos: bool = False
+    # OpenAI's response_format (e.g. a json_schema), sent as-is to every target.
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -191,6 +193,8 @@ def build_payload(api: Api, model: str, request: BenchRequest, sampling: Samplin
         payload["prompt"] = request.prompt()
     if sampling.ignore_eos:
         payload["ignore_eos"] = True  # llama.cpp and vLLM extension: always emit max_tokens
+    if sampling.response_format is not None:
+        payload["response_format"] = sampling.response_format
     return payload
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from libs.protocol import (
     ChatMessage,
@@ -46,8 +46,11 @@ class PreparedPrompt:
     token_ids: list[int]
     # Prompt text is kept only for the fake backend's length model; never logged.
     text: str = ""
-    # The request's constraint as validated llguidance grammar text (None: unconstrained).
+    # The request's constraint as validated llguidance grammar text (None: unconstrained), and
+    # one matcher per choice built from it off the engine's thread (llguidance parses the
+    # grammar when a matcher is made: milliseconds for a large schema).
     grammar: str | None = None
+    matchers: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -55,6 +55,7 @@ class _Add:
     priority: Priority
     resume: Resume | None = None
     grammar: str | None = None
+    matchers: list[Any] = field(default_factory=list)  # one per choice, made by prepare
     # Export the prompt's full blocks on the engine thread the moment the request finishes
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
@@ -273,7 +274,11 @@ class AsyncEngineBackend:
             if self._engine is None or self._engine.grammars is None:
                 raise BackendError("internal_error", "the engine is not started")
             grammar = self._engine.grammars.compile(sampling.structured, tools)
-        return PreparedPrompt(token_ids=ids, text=text, grammar=grammar)
+        matchers = []
+        if grammar is not None:
+            assert self._engine is not None and self._engine.grammars is not None
+            matchers = [self._engine.grammars.matcher(grammar) for _ in range(sampling.n)]
+        return PreparedPrompt(token_ids=ids, text=text, grammar=grammar, matchers=matchers)
 
     def _check_length_before_tokenizing(
         self, chars: int, sampling: SamplingParams, param: str
@@ -300,7 +305,15 @@ class AsyncEngineBackend:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream chunks until every choice finished; closing early aborts the request.
         ``resume``: the first token was sampled by a prefill worker (KV handoff)."""
-        add = _Add(request_id, list(prompt.token_ids), sampling, priority, resume, prompt.grammar)
+        add = _Add(
+            request_id,
+            list(prompt.token_ids),
+            sampling,
+            priority,
+            resume,
+            prompt.grammar,
+            list(prompt.matchers),
+        )
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
             yield item.chunk
@@ -312,7 +325,13 @@ class AsyncEngineBackend:
         disaggregated request); the prompt's blocks stay in this engine's prefix cache."""
         first = msgspec.structs.replace(sampling, max_tokens=1)
         add = _Add(
-            request_id, list(prompt.token_ids), first, priority, grammar=prompt.grammar, export=True
+            request_id,
+            list(prompt.token_ids),
+            first,
+            priority,
+            grammar=prompt.grammar,
+            matchers=list(prompt.matchers[:1]),
+            export=True,
         )
         async for item in self._run_request(add):
             if isinstance(item, PrefillResult):
@@ -432,6 +451,7 @@ class AsyncEngineBackend:
                     cmd.priority,
                     cmd.resume,
                     cmd.grammar,
+                    cmd.matchers,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)

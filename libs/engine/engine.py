@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class _Request:
     sampling: SamplingParams
     seqs: list[Sequence]
     grammar: str | None = None  # llguidance grammar text every choice follows
+    matchers: list[Any] = field(default_factory=list)  # unused fresh matchers of grammar
 
 
 class LLMEngine:
@@ -123,12 +124,14 @@ class LLMEngine:
         priority: Priority = "interactive",
         resume: Resume | None = None,
         grammar: str | None = None,
+        matchers: Seq[Any] = (),
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
         With ``resume`` (n = 1 only), the first output token is given, not sampled; it is
         reported in the next step's output. ``grammar``: llguidance grammar text (from
-        ``Grammars.compile``) that every choice's output follows."""
+        ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
+        of it made off this thread (choices without one get a new one here)."""
         if resume is not None and sampling.n != 1:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
@@ -158,7 +161,7 @@ class LLMEngine:
             )
         if grammar is not None and self.grammars is None:
             raise BackendError("invalid_request", "this engine has no tokenizer for grammars")
-        req = _Request(request_id, sampling, [], grammar)
+        req = _Request(request_id, sampling, [], grammar, list(matchers))
         seq = self._new_sequence(req, 0, list(prompt_token_ids), priority)
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -181,7 +184,9 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         matcher = None
-        if req.grammar is not None:
+        if req.matchers:
+            matcher = req.matchers.pop()
+        elif req.grammar is not None:
             assert self.grammars is not None
             matcher = self.grammars.matcher(req.grammar)
         return Sequence(

@@ -96,7 +96,9 @@ def test_mixed_constrained_batch_with_preemption_forks_and_seeds(tok) -> None:  
     }
     kinds = list(grammars)
     subs = []
+    system = tok.encode("quiet engines hum while the river runs under bridges of light. ")
     for i, p in enumerate(prompts(tok, 12)):
+        p = system + p if i % 2 else p  # prefix-cache hits for the later ones
         kind = kinds[i % len(kinds)]
         sampled = i % 3 == 0
         sp = SamplingParams(
@@ -109,6 +111,7 @@ def test_mixed_constrained_batch_with_preemption_forks_and_seeds(tok) -> None:  
         subs.append(Submission(f"{kind}-{i}", p, sp, arrive_at_step=i, grammar=grammars[kind]))
     results = run_engine(engine, subs)
     assert engine.scheduler.num_preemptions > 0
+    assert any(r.num_cached_tokens > 0 for r in results.values())
     checked = 0
     for (rid, _), r in results.items():
         kind = rid.split("-")[0]
@@ -306,3 +309,22 @@ def test_mask_kernel_equals_the_torch_unpacking(vocab: int) -> None:
     assert torch.equal(by_kernel, by_torch)
     assert torch.equal(by_kernel[[1, 3]], logits[[1, 3]])  # untouched rows
     assert bool(torch.isinf(by_kernel[4]).any()) and not bool(torch.isinf(by_kernel[1]).any())
+
+
+def test_matchers_made_off_the_engine_thread_are_the_ones_used(tok) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(tok)
+    g = engine.grammars
+    assert g is not None
+    grammar = g.compile(StructuredOutput(choice=CHOICES), None)
+    made = [g.matcher(grammar) for _ in range(2)]
+    sp = SamplingParams(max_tokens=20, temperature=0.0, n=2)
+    engine.add_request("a", prompts(tok, 1)[0], sp, grammar=grammar, matchers=list(made))
+    texts = ["", ""]
+    seen: set[int] = set()
+    while engine.has_unfinished():
+        for req in engine.requests.values():
+            seen.update(id(s.matcher) for s in req.seqs)
+        for o in engine.step():
+            texts[o.chunk.index] += o.chunk.text
+    assert seen == {id(m) for m in made}
+    assert all(t in CHOICES for t in texts)
