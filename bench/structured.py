@@ -1,6 +1,6 @@
 """What structured outputs cost the engine: the same 32 streams with and without one JSON schema.
 
-Run: ``.venv/bin/python -m bench.structured`` (``--help`` for options). On the default model and
+Run: ``strait bench structured`` (``--help`` for options). On the default model and
 engine settings (``configs/strait.toml``, so compiled when that says so), in one process:
 
 1. compile time of ``--schemas`` distinct JSON schemas through ``Grammars.compile`` (the

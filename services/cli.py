@@ -5,7 +5,7 @@ strait gateway|router|prefill|decode|cache
                              one service (for compose and Kubernetes)
 strait keys create|list|revoke
 strait models prepare|convert|list
-strait bench serve|engine|quality
+strait bench serve|engine|quality|structured
 strait schemas               write the wire protocol's JSON schemas to docs/schemas/
 """
 
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     mf.add_argument("name", nargs="?", default=None, help="model (default: the first pool's)")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("which", choices=["serve", "engine", "quality"])
+    bench.add_argument("which", choices=["serve", "engine", "quality", "structured"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.quality import main as quality_main
 
             return quality_main(args.args)
+        if args.which == "structured":
+            from bench.structured import main as structured_main
+
+            return structured_main(args.args)
         from bench.engine import main as engine_main
 
         return engine_main(args.args)
