@@ -43,7 +43,7 @@ from libs.telemetry import tracer
 from libs.tools import CALL_OPEN, CallMarkupFilter
 from services.gateway import metrics
 from services.gateway.errors import ApiError
-from services.gateway.fleet import Fleet, FleetUnavailable
+from services.gateway.fleet import Fleet, FleetUnavailable, RequestTooLarge
 
 _JSON = msgspec.json.Encoder()
 
@@ -338,6 +338,9 @@ class CompletionRun:
         try:
             with trace.use_span(self.span, end_on_exit=False):
                 await self.fleet.publish(self.req)
+        except RequestTooLarge as e:
+            await self.fail("request_too_large", str(e))
+            raise ApiError(413, str(e), "request_too_large") from e
         except FleetUnavailable as e:
             await self.fail("no_worker", str(e))
             raise ApiError(

@@ -42,6 +42,10 @@ class FleetUnavailable(Exception):
     """The request could not be handed to the fleet (NATS or JetStream down)."""
 
 
+class RequestTooLarge(Exception):
+    """The encoded request is over the NATS server's max_payload: the sender's fault (413)."""
+
+
 class Fleet:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -96,12 +100,17 @@ class Fleet:
 
     async def publish(self, req: GenerateRequest) -> None:
         """Put the request on the JetStream requests stream (call inside the reader's context)."""
-        if self.js is None or not self.connected:
+        if self.js is None or self.nc is None or not self.connected:
             raise FleetUnavailable("not connected to NATS")
-        try:
-            await self.js.publish(
-                self.subjects.requests, encode(req), headers=inject_headers(), timeout=2.0
+        data, headers = encode(req), inject_headers()
+        size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 12
+        if size > self.nc.max_payload:
+            raise RequestTooLarge(
+                f"the request is {size} bytes encoded; the fleet's messages hold at most "
+                f"{self.nc.max_payload} (NATS max_payload)"
             )
+        try:
+            await self.js.publish(self.subjects.requests, data, headers=headers, timeout=2.0)
         except Exception as e:
             raise FleetUnavailable(f"could not queue the request: {e!r}") from e
 
