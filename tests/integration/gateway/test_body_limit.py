@@ -117,3 +117,30 @@ async def test_oversized_bodies_get_413_before_they_are_parsed(gw_settings: Sett
             assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
             # Other methods pass through untouched.
             assert (await c.get("/health")).json() == {"status": "ok"}
+
+
+async def test_a_request_over_nats_max_payload_is_a_413(gw_settings: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A body the gateway accepts but the fleet's NATS cannot carry: the sender's 413, not a
+    503 that tells clients to retry (found by bench/hostile.py)."""
+    from tests.support.services import nats_server
+
+    gw_settings.gateway.auth_enabled = False
+    gw_settings.gateway.max_body_bytes = LIMIT
+    with nats_server(tmp_path / "small", max_payload=LIMIT // 2) as url:
+        gw_settings.nats.url = url
+        async with GatewayFleet(gw_settings) as fleet:
+            await fleet.add_worker("w1")
+            base = await fleet.gateway()
+            await fleet.wait_workers(1)
+            chat = {
+                "model": "fake-model",
+                "messages": [{"role": "user", "content": "x" * (LIMIT * 3 // 4)}],
+                "max_tokens": 4,
+            }
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                r = await c.post(CHAT, json=chat)
+                assert r.status_code == 413, r.text[:300]
+                err = r.json()["error"]
+                assert err["code"] == "request_too_large" and "max_payload" in err["message"]
+                chat["messages"] = [{"role": "user", "content": "hi"}]
+                assert (await c.post(CHAT, json=chat)).status_code == 200
