@@ -45,14 +45,45 @@ if [[ ! -f "${llama_dir}/CMakeLists.txt" ]]; then
     exit 1
 fi
 
-# 3. Configure and build only the server target: CPU, Release, no libcurl (no model downloads).
+# 3. AMX: some VMs advertise amx_tile in /proc/cpuinfo but trap its instructions (the first
+#    `tilezero` is SIGILL: seen on 2026-11-25). A -march=native build then dies at start-up, so
+#    probe one tile instruction and build without AMX when it traps.
+extra_flags=()
+if grep -q amx_tile /proc/cpuinfo; then
+    probe_dir="$(mktemp -d)"
+    cat > "${probe_dir}/amx.c" <<'C'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1; /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+  unsigned char cfg[64];
+  memset(cfg, 0, sizeof cfg);
+  cfg[0] = 1; cfg[16] = 64; cfg[48] = 16; /* palette 1; tile 0: 16 rows of 64 bytes */
+  _tile_loadconfig(cfg);
+  _tile_zero(0);
+  _tile_release();
+  return 0;
+}
+C
+    if ! { cc -O2 -mamx-tile "${probe_dir}/amx.c" -o "${probe_dir}/amx" && "${probe_dir}/amx"; } 2>/dev/null; then
+        echo ">> this CPU lists AMX but cannot run it: building without AMX"
+        no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        extra_flags=("-DCMAKE_C_FLAGS=${no_amx}" "-DCMAKE_CXX_FLAGS=${no_amx}")
+    fi
+    rm -rf "${probe_dir}"
+fi
+
+# 4. Configure and build only the server target: CPU, Release, no libcurl (no model downloads).
 build_dir="${THIRDPARTY}/llama.cpp-build"
 echo ">> building llama-server in ${build_dir} with ${JOBS} jobs"
 cmake -S "${llama_dir}" -B "${build_dir}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    "${extra_flags[@]}"
 cmake --build "${build_dir}" --config Release --target llama-server -j "${JOBS}"
 
 server_bin="${build_dir}/bin/llama-server"

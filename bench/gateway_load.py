@@ -1,0 +1,712 @@
+"""What one gateway process can stream, with FAKE workers that cost nothing per token.
+
+    .venv/bin/python -m bench.gateway_load --streams 500 1000 2000 --gateways 1 2 --duration 20
+
+Starts its own JetStream nats-server (free port), a router, ``--workers`` FAKE-engine workers
+(``libs/fake_engine.py``, ``per_token_s = 0``, ``per_prompt_token_s = 0``: no model, the workers
+publish token frames as fast as they can) and G gateways, each a separate OS process
+(``python -m services.cli <role>``, as ``tests/support/procs.ProcessFleet`` runs them). Auth, rate
+limits, the ledger and the response cache are off; every capacity bound is far above the load;
+``gateway.open_metrics`` is on. Two gateways are stateless replicas on two ports of this
+machine; the client spreads its streams over them round-robin (no load balancer).
+
+The load client is a separate process (this script with ``--client``), so its CPU is not the
+gateway's: it keeps S streaming ``POST /v1/chat/completions`` requests open (``stream: true``,
+``max_tokens`` M, ``ignore_eos``, ``stream_options.include_usage``) over raw asyncio sockets
+(HTTP/1.1 keep-alive, chunked framing and SSE parsed by hand: cheaper per token than httpx),
+starting a new request on a connection as soon as one ends. After a ramp and a warm-up it
+measures for ``--duration`` seconds:
+
+- tokens/s delivered (``usage.completion_tokens`` of the requests that ended in the window;
+  the fake worker sends one token per frame, so one chunk is one token here) and requests/s;
+- streams held (requests between their send and their last byte, sampled every 0.25 s);
+- TTFT (send → first content chunk) and the inter-chunk gap between consecutive content chunks
+  of a stream as the client reads them, p50/p99. Chunks that arrive in one socket read get a gap
+  of ~0: the gap is what a client observes, bursts included. The worker does not stamp its frames
+  with a clock, so the latency the gateway *adds* per token is not measured directly; the
+  gateway's own view (its ``/metrics``: ``strait_gateway_*`` scraped before and after the window)
+  is printed in a second table;
+- request errors by HTTP status / error code;
+- CPU of each gateway process, of the client, and of the rest of the fleet (router, workers,
+  nats-server) over the window, as % of one core (psutil).
+
+It also runs the same S through the NATS path with the Python client library
+(``libs.client.StraitClient``, as ``examples/batch_submit.py`` does) in a client process of its
+own, with the gateway idle, for comparison.
+
+Honest caveat: everything (client, gateways, router, workers, nats-server) shares the one
+machine this runs on — 2 cores where the figures in docs/performance.md were taken. The client
+and the zero-cost workers compete with the gateway for those cores, so the rows bound what a
+gateway does on a busy 2-core box, not what it does on a core of its own; read the CPU columns
+alongside the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "fake-model"
+
+
+def raise_nofile() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (thousands of sockets); returns the new soft."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def pct(values: array | list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ============================================================================ load client
+
+
+class ClientState:
+    """Counters of one client process; only what happens inside the window is recorded."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.recording = False
+        self.inflight = 0
+        self.connections = 0
+        self.tokens = 0
+        self.chunks = 0
+        self.reads = 0  # socket reads of a response body (HTTP)
+        self.requests = 0
+        self.errors: Counter[str] = Counter()
+        self.ttft = array("d")
+        self.gaps = array("d")
+        self.held: list[int] = []
+        self.started = 0  # slots that have sent their first request
+        self.streams = 0
+        self.all_started = asyncio.Event()
+
+    def slot_started(self) -> None:
+        self.started += 1
+        if self.started >= self.streams:
+            self.all_started.set()
+
+    def error(self, what: str) -> None:
+        if self.recording and not self.stop:
+            self.errors[what] += 1
+
+
+def chat_body(i: int, max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Write a haiku about the number {i}."}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+_CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)")
+
+
+async def http_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, raw: bytes, st: ClientState
+) -> bool:
+    """One streamed completion on an open connection; returns whether it may be reused."""
+    perf = time.perf_counter
+    t0 = perf()
+    writer.write(raw)
+    buf = b""
+    while (i := buf.find(b"\r\n\r\n")) < 0:
+        data = await reader.read(65536)
+        if not data:
+            raise ConnectionError("closed before the response head")
+        buf += data
+    head = buf[:i].lower()
+    buf = buf[i + 4 :]
+    status = int(head[9:12])
+    keep = b"connection: close" not in head
+    if status != 200:
+        m = _CONTENT_LENGTH.search(head)
+        n = int(m.group(1)) if m else 0
+        while len(buf) < n:
+            data = await reader.read(65536)
+            if not data:
+                break
+            buf += data
+        code = ""
+        with contextlib.suppress(Exception):
+            code = json.loads(buf[:n])["error"]["code"]
+        st.error(f"{status} {code}".strip())
+        await asyncio.sleep(0.05)  # refused: do not spin
+        return keep
+    now = perf()
+    last = 0.0
+    usage = 0
+    while True:
+        pos, n = 0, len(buf)
+        while (j := buf.find(b"\r\n", pos)) >= 0:
+            size = int(buf[pos:j], 16)
+            if size == 0:  # the last chunk: the response is over
+                if st.recording and not st.stop:
+                    st.requests += 1
+                    st.tokens += usage
+                return keep
+            end = j + 2 + size
+            if n < end + 2:
+                break
+            for ev in buf[j + 2 : end].split(b"\n\n"):
+                if b'"finish_reason":null' in ev:  # a content chunk (one token from the fake)
+                    if st.recording:
+                        st.chunks += 1
+                        if last:
+                            st.gaps.append(now - last)
+                        else:
+                            st.ttft.append(now - t0)
+                    last = now
+                elif ev.startswith(b'data: {"error"'):
+                    code = "stream_error"
+                    with contextlib.suppress(Exception):
+                        code = "stream " + json.loads(ev[6:])["error"]["code"]
+                    st.error(code)
+                elif b'"usage":{' in ev:
+                    usage = json.loads(ev[6:])["usage"]["completion_tokens"]
+            pos = end + 2
+        buf = buf[pos:]
+        data = await reader.read(65536)
+        if not data:
+            raise ConnectionError("closed mid-stream")
+        now = perf()
+        if st.recording:
+            st.reads += 1
+        buf += data
+
+
+async def http_slot(i: int, host: str, port: int, delay: float, m: int, st: ClientState) -> None:
+    body = chat_body(i, m)
+    raw = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    await asyncio.sleep(delay)
+    writer: asyncio.StreamWriter | None = None
+    first = True
+    try:
+        while not st.stop:
+            if writer is None:
+                try:
+                    reader, writer = await asyncio.open_connection(host, port)
+                    st.connections += 1
+                except OSError as e:
+                    st.error(f"connect {type(e).__name__}")
+                    await asyncio.sleep(0.5)
+                    continue
+            if first:
+                st.slot_started()
+                first = False
+            st.inflight += 1
+            try:
+                keep = await http_request(reader, writer, raw, st)
+            except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+                st.error(f"conn {type(e).__name__}")
+                keep = False
+            finally:
+                st.inflight -= 1
+            if not keep:
+                writer.transport.abort()
+                writer = None
+                st.connections -= 1
+    finally:
+        if writer is not None:
+            writer.transport.abort()
+
+
+async def nats_slot(client: Any, i: int, delay: float, m: int, st: ClientState) -> None:
+    from libs.client import StraitError
+
+    prompt = f"Write a haiku about the number {i}."
+    perf = time.perf_counter
+    await asyncio.sleep(delay)
+    st.slot_started()
+    while not st.stop:
+        t0 = perf()
+        last = 0.0
+        st.inflight += 1
+        try:
+            gen = client.generate(
+                messages=[{"role": "user", "content": prompt}],
+                model=MODEL,
+                max_tokens=m,
+                ignore_eos=True,
+            )
+            async with gen:
+                async for _d in gen:
+                    now = perf()
+                    if st.recording:
+                        st.chunks += 1
+                        if last:
+                            st.gaps.append(now - last)
+                        else:
+                            st.ttft.append(now - t0)
+                    last = now
+            if st.recording and not st.stop and gen.usage is not None:
+                st.requests += 1
+                st.tokens += gen.usage.completion_tokens
+        except StraitError as e:
+            st.error(e.code or type(e).__name__)
+            await asyncio.sleep(0.05)
+        finally:
+            st.inflight -= 1
+
+
+async def client_main(args: argparse.Namespace) -> None:
+    raise_nofile()
+    st = ClientState()
+    s, m = args.streams[0], args.max_tokens
+    st.streams = s
+    targets = args.targets.split(",")
+    ramp = args.ramp
+    nats_client = None
+    if args.client == "http":
+        hosts = [t.removeprefix("http://").rsplit(":", 1) for t in targets]
+        tasks = [
+            asyncio.create_task(
+                http_slot(
+                    i, hosts[i % len(hosts)][0], int(hosts[i % len(hosts)][1]), ramp * i / s, m, st
+                )
+            )
+            for i in range(s)
+        ]
+    else:
+        from libs.client import StraitClient
+
+        nats_client = StraitClient(targets[0], name="gateway-load-bench")
+        await nats_client.connect()
+        tasks = [
+            asyncio.create_task(nats_slot(nats_client, i, ramp * i / s, m, st)) for i in range(s)
+        ]
+    await asyncio.sleep(ramp)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(st.all_started.wait(), 30)
+    await asyncio.sleep(args.warmup)
+
+    st.recording = True
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    print("WINDOW_START", flush=True)
+
+    async def sample() -> None:
+        while True:
+            st.held.append(st.inflight)
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.create_task(sample())
+    await asyncio.sleep(args.duration)
+    st.recording = False
+    took, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    print("WINDOW_END", flush=True)
+    sampler.cancel()
+    # Keep the load on until the orchestrator has read the gateways' counters and CPU times.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.to_thread(sys.stdin.readline), 60)
+    st.stop = True
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if nats_client is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nats_client.close(), 10)
+    ms = 1000.0
+    res = {
+        "kind": args.client,
+        "streams": s,
+        "window_s": took,
+        "held_mean": sum(st.held) / len(st.held) if st.held else 0,
+        "held_min": min(st.held) if st.held else 0,
+        "tokens": st.tokens,
+        "chunks": st.chunks,
+        "requests": st.requests,
+        "tokens_per_s": st.tokens / took,
+        "chunks_per_s": st.chunks / took,
+        "chunks_per_read": st.chunks / st.reads if st.reads else None,
+        "req_per_s": st.requests / took,
+        "ttft_ms": [(pct(st.ttft, q) or 0) * ms for q in (0.5, 0.99)],
+        "gap_ms": [(pct(st.gaps, q) or 0) * ms for q in (0.5, 0.99)],
+        "errors": dict(st.errors),
+        "client_cpu_pct": 100 * cpu / took,
+    }
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ============================================================================ the fleet
+
+
+def config_toml(args: argparse.Namespace) -> str:
+    big = 1_000_000
+    return f"""
+[gateway]
+auth_enabled = false
+open_metrics = true
+ledger_enabled = false
+response_cache_enabled = false
+max_inflight = {big}
+max_pool_queue = {big}
+default_rpm = {10**12}
+default_tpm = {10**15}
+
+[router]
+max_pool_queue = {big}
+max_watched = {big}
+
+[worker]
+max_waiting = {big}
+
+[engine]
+max_num_seqs = {big}
+
+[fake_engine]
+per_token_s = {args.per_token_ms / 1000}
+per_prompt_token_s = 0.0
+
+[[pools]]
+name = "default"
+model = "{MODEL}"
+backend = "fake"
+workers = {args.workers}
+"""
+
+
+def start_fleet(tmp: Path, nats_url: str, args: argparse.Namespace, gateways: int) -> Any:
+    """A ProcessFleet (router, workers, first gateway) plus gateways 2..G on ports of their own."""
+    import httpx
+
+    from tests.support.procs import ProcessFleet
+    from tests.support.services import free_port
+
+    fleet = ProcessFleet(
+        tmp, nats_url, config_toml(args), workers=[{} for _ in range(args.workers)]
+    )
+    fleet.__enter__()
+    try:
+        urls = [fleet.base_url]
+        for j in range(1, gateways):
+            port = free_port()
+            fleet.start(f"gateway{j}", "gateway", {"STRAIT_GATEWAY__PORT": str(port)})
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        for url in urls:  # every gateway sees every worker
+            while True:
+                try:
+                    r = httpx.get(f"{url}/ready", timeout=1)
+                    if r.status_code == 200 and r.json()["live_workers"] >= args.workers:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway {url} not ready")
+                time.sleep(0.2)
+    except BaseException:
+        fleet.__exit__(None, None, None)
+        raise
+    return fleet, urls
+
+
+def gateway_procs(fleet: Any) -> list[Any]:
+    return [p for n, p in fleet.procs.items() if n.startswith("gateway")]
+
+
+# ---------------------------------------------------------------- the gateways' /metrics
+
+
+def scrape(url: str) -> dict[str, Any]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {"requests": Counter(), "rejected": Counter(), "ttft": {}, "e2e": {}}
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return out
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            name, labels, v = smp.name, smp.labels, smp.value
+            if name == "strait_gateway_output_tokens_total":
+                out["tokens"] = v
+            elif name == "strait_gateway_requests_total":
+                out["requests"][labels["status"]] += v
+            elif name == "strait_gateway_rejected_total":
+                out["rejected"][labels["code"]] += v
+            elif name == "strait_gateway_inflight_requests":
+                out["inflight"] = v
+            elif name == "strait_gateway_ttft_seconds_bucket":
+                out["ttft"][float(labels["le"])] = v
+            elif name == "strait_gateway_e2e_seconds_bucket":
+                out["e2e"][float(labels["le"])] = v
+            elif name == "process_cpu_seconds_total":
+                out["cpu_s"] = v
+    return out
+
+
+def hist_quantile(b0: dict[float, float], b1: dict[float, float], q: float) -> float | None:
+    """Prometheus' histogram_quantile over the buckets' increase (linear within a bucket)."""
+    bounds = sorted(b1)
+    counts = [b1[b] - b0.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank, prev_b, prev_c = q * counts[-1], 0.0, 0.0
+    for b, c in zip(bounds, counts, strict=True):
+        if c >= rank:
+            if b == float("inf"):
+                return prev_b
+            return prev_b + (b - prev_b) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0)
+        prev_b, prev_c = b, c
+    return None
+
+
+def metrics_delta(m0: dict[str, Any], m1: dict[str, Any], took: float) -> dict[str, Any]:
+    req = {k: m1["requests"][k] - m0["requests"].get(k, 0) for k in m1["requests"]}
+    rej = {k: m1["rejected"][k] - m0["rejected"].get(k, 0) for k in m1["rejected"]}
+    ttft = [hist_quantile(m0["ttft"], m1["ttft"], q) for q in (0.5, 0.99)]
+    e2e = [hist_quantile(m0["e2e"], m1["e2e"], q) for q in (0.5, 0.99)]
+    return {
+        "tokens_per_s": (m1.get("tokens", 0) - m0.get("tokens", 0)) / took,
+        "requests": {k: v for k, v in req.items() if v},
+        "rejected": {k: v for k, v in rej.items() if v},
+        "ttft_ms": [None if x is None else 1000 * x for x in ttft],
+        "e2e_ms": [None if x is None else 1000 * x for x in e2e],
+        "inflight_end": m1.get("inflight"),
+        "cpu_pct": 100 * (m1.get("cpu_s", 0) - m0.get("cpu_s", 0)) / took,
+    }
+
+
+# ---------------------------------------------------------------- one point
+
+
+def cpu_s(proc: Any) -> float:
+    try:
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+    except Exception:
+        return 0.0
+
+
+def run_point(
+    kind: str,
+    targets: list[str],
+    streams: int,
+    args: argparse.Namespace,
+    fleet: Any,
+    gw_urls: list[str],
+    log_dir: Path,
+) -> dict[str, Any]:
+    import psutil
+
+    cmd = [
+        sys.executable, "-m", "bench.gateway_load", "--client", kind,
+        "--targets", ",".join(targets), "--streams", str(streams),
+        "--max-tokens", str(args.max_tokens), "--duration", str(args.duration),
+        "--warmup", str(args.warmup), "--ramp", str(args.ramp),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    err = open(log_dir / f"client-{kind}-{len(targets)}-{streams}.log", "wb")
+    client = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+    )
+    gw = [psutil.Process(p.pid) for p in gateway_procs(fleet)]
+    others = {
+        "router": [psutil.Process(fleet.procs["router"].pid)],
+        "workers": [psutil.Process(p.pid) for n, p in fleet.procs.items() if n.startswith("worker")],
+        "nats": [
+            c for c in psutil.Process().children() if "nats-server" in (c.name() or "")
+        ],
+    }  # fmt: skip
+    res: dict[str, Any] = {}
+    c0: dict[str, Any] = {}
+    m0: list[dict[str, Any]] = []
+    t0 = 0.0
+    assert client.stdout is not None
+    for line in client.stdout:
+        if line.startswith("WINDOW_START"):
+            t0 = time.monotonic()
+            c0 = {"gw": [cpu_s(p) for p in gw]}
+            c0 |= {k: sum(cpu_s(p) for p in ps) for k, ps in others.items()}
+            m0 = [scrape(u) for u in gw_urls] if kind == "http" else []
+        elif line.startswith("WINDOW_END"):
+            took = time.monotonic() - t0
+            res["gateway_cpu_pct"] = [
+                100 * (cpu_s(p) - a) / took for p, a in zip(gw, c0["gw"], strict=True)
+            ]
+            res["other_cpu_pct"] = {
+                k: 100 * (sum(cpu_s(p) for p in ps) - c0[k]) / took for k, ps in others.items()
+            }
+            if kind == "http":
+                m1 = [scrape(u) for u in gw_urls]
+                res["gateway_metrics"] = [
+                    metrics_delta(a, b, took) for a, b in zip(m0, m1, strict=True)
+                ]
+            assert client.stdin is not None
+            client.stdin.write("go\n")
+            client.stdin.close()
+        elif line.startswith("RESULT "):
+            res |= json.loads(line[7:])
+    client.wait()
+    err.close()
+    if "tokens_per_s" not in res:
+        raise RuntimeError(f"client failed (see {err.name}):\n{Path(err.name).read_text()[-3000:]}")
+    settle(gw_urls)
+    return res
+
+
+def settle(gw_urls: list[str], timeout: float = 30.0) -> None:
+    """Wait until no gateway holds a request (the client's disconnects were all closed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((scrape(u).get("inflight") or 0) == 0 for u in gw_urls):
+            break
+        time.sleep(0.5)
+    time.sleep(1.0)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def fmt_pair(x: list[float | None]) -> str:
+    return " / ".join("–" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}" for v in x)
+
+
+def fmt_errors(e: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(e.items())) or "0"
+
+
+def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"\nmax_tokens {args.max_tokens}, {args.workers} FAKE workers "
+        f"(per_token {args.per_token_ms} ms), window {args.duration:g} s after "
+        f"{args.ramp:g} s ramp + {args.warmup:g} s warm-up; CPU in % of one core\n"
+    )
+    print(
+        "| path | gateways | streams | held (mean / min) | tokens/s | req/s | TTFT p50 / p99 ms "
+        "| gap p50 / p99 ms | errors | gateway CPU % | client CPU % | router / workers / nats CPU % |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in rows:
+        o = r["other_cpu_pct"]
+        gw = " / ".join(f"{x:.0f}" for x in r["gateway_cpu_pct"])
+        path = "HTTP (gateway)" if r["kind"] == "http" else "NATS (StraitClient)"
+        print(
+            f"| {path} | {r['gateways'] if r['kind'] == 'http' else '–'} | {r['streams']} "
+            f"| {r['held_mean']:.0f} / {r['held_min']} | {r['tokens_per_s']:.0f} "
+            f"| {r['req_per_s']:.1f} | {fmt_pair(r['ttft_ms'])} | {fmt_pair(r['gap_ms'])} "
+            f"| {fmt_errors(r['errors'])} | {gw if r['kind'] == 'http' else '(idle)'} "
+            f"| {r['client_cpu_pct']:.0f} "
+            f"| {o['router']:.0f} / {o['workers']:.0f} / {o['nats']:.0f} |"
+        )
+    http = [r for r in rows if r["kind"] == "http"]
+    if not http:
+        return
+    print("\nThe gateways' own /metrics over the same window (histogram quantiles, bucketed):\n")
+    print(
+        "| gateways | streams | gateway | output tokens/s | requests by status "
+        "| rejected | TTFT p50 / p99 ms | e2e p50 / p99 ms | in flight after |"
+    )
+    print("| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |")
+    for r in http:
+        for j, g in enumerate(r["gateway_metrics"]):
+            reqs = ", ".join(f"{k} {v:.0f}" for k, v in sorted(g["requests"].items()))
+            print(
+                f"| {r['gateways']} | {r['streams']} | {j + 1} | {g['tokens_per_s']:.0f} "
+                f"| {reqs or '0'} | {fmt_errors({k: int(v) for k, v in g['rejected'].items()})} "
+                f"| {fmt_pair(g['ttft_ms'])} | {fmt_pair(g['e2e_ms'])} "
+                f"| {g['inflight_end'] or 0:.0f} |"
+            )
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tests.support.services import nats_server
+
+    raise_nofile()  # inherited by every process started below
+    rows: list[dict[str, Any]] = []
+    keep = Path(args.logs) if args.logs else None
+    with tempfile.TemporaryDirectory(prefix="gateway-load-") as d:
+        tmp = keep or Path(d)
+        tmp.mkdir(parents=True, exist_ok=True)
+        with nats_server(tmp) as nats_url:
+            for n, g in enumerate(args.gateways):
+                fleet_dir = tmp / f"fleet-g{g}-{n}"
+                fleet, urls = start_fleet(fleet_dir, nats_url, args, g)
+                try:
+                    for s in args.streams:
+                        print(f"HTTP: {g} gateway(s), {s} streams ...", file=sys.stderr)
+                        r = run_point("http", urls, s, args, fleet, urls, fleet_dir)
+                        rows.append(r | {"gateways": g})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
+                    if n == 0 and not args.no_nats:
+                        for s in args.streams:
+                            print(f"NATS: {s} streams ...", file=sys.stderr)
+                            r = run_point("nats", [nats_url], s, args, fleet, urls, fleet_dir)
+                            rows.append(r | {"gateways": 0})
+                            print(json.dumps(rows[-1]), file=sys.stderr)
+                except BaseException:
+                    for name in fleet.procs:
+                        print(fleet.logs(name), file=sys.stderr)
+                    raise
+                finally:
+                    fleet.__exit__(None, None, None)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--streams", type=int, nargs="+", default=[500, 1000, 2000])
+    p.add_argument("--gateways", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    p.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="FAKE workers")
+    p.add_argument("--per-token-ms", type=float, default=0.0, help="the fake's cost per token")
+    p.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams open")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds after the ramp, unmeasured")
+    p.add_argument("--no-nats", action="store_true", help="skip the NATS-path rows")
+    p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--logs", default="", help="keep the processes' logs in this directory")
+    # The load client's own role (started by the benchmark itself).
+    p.add_argument("--client", choices=["http", "nats"], help=argparse.SUPPRESS)
+    p.add_argument("--targets", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        asyncio.run(client_main(args))
+        return 0
+    rows = bench(args)
+    print_tables(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
