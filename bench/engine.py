@@ -235,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     from libs.models import prepare_model
     from libs.settings import get_settings
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.concurrency.split(",") if x]
     settings = get_settings()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif settings.engine.num_threads:  # the workers' own count (engine.num_threads)
+        torch.set_num_threads(settings.engine.threads())
     path = prepare_model(args.model, settings)
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

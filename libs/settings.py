@@ -187,7 +187,25 @@ class EngineSettings(BaseModel):
     # Prefill chunk (tokens of one prompt per step); 0: the whole batched-token budget.
     prefill_chunk_tokens: int = 256
     enable_prefix_caching: bool = True
-    num_threads: int = 0  # 0: torch's default
+    # torch's threads in an engine process. 0: torch's default (every core); -1: every core
+    # but one, for a worker that shares its machine with the rest of the fleet (its event
+    # loop, the gateway, NATS): a parallel region stalls whenever another process takes one of
+    # its threads' cores (docs/decisions/0011-worker-threads.md); n > 0: n.
+    num_threads: int = Field(default=0, ge=-1)
+
+    def threads(self) -> int:
+        """The thread count ``num_threads`` resolves to on this machine."""
+        import os
+
+        if self.num_threads > 0:
+            return self.num_threads
+        cores = len(os.sched_getaffinity(0))
+        if self.num_threads == -1:
+            return max(1, cores - 1)
+        import torch
+
+        return int(torch.get_num_threads())
+
     # Strait's CPU kernels (packed-weight linears, paged attention; libs/engine/kernels)
     # for float32 models on the CPU: "auto" uses them when they build, "on" fails when they
     # cannot, "off" runs torch's kernels only.

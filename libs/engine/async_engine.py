@@ -182,7 +182,8 @@ class AsyncEngineBackend:
     async def start(self) -> None:
         """Load the model (off the loop) and start the engine thread."""
         if self.settings.num_threads:
-            torch.set_num_threads(self.settings.num_threads)
+            torch.set_num_threads(self.settings.threads())
+        log.info("engine threads: %d", torch.get_num_threads())
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(
             LLMEngine.from_path, self.model_path, self.settings, self.model_id

@@ -56,6 +56,9 @@ def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     h = hashlib.sha256()
     budget = {"kv_cache_bytes", "kv_cache_memory_fraction"}  # a symbolic size of the graphs
     h.update(engine.model_dump_json(exclude=budget).encode())
+    # The threads the workers will run (inductor's kernels are generated for a thread count;
+    # OMP_NUM_THREADS changes it as much as engine.num_threads does).
+    h.update(str(engine.threads()).encode())
     h.update(version("torch").encode())
     h.update(kernels.cpu_tag().encode())
     here = Path(__file__).parent
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if engine.num_threads:  # the workers' thread count: inductor's kernels depend on it
         import torch
 
-        torch.set_num_threads(engine.num_threads)
+        torch.set_num_threads(engine.threads())
     stop = threading.Event()
     bar = threading.Thread(target=_progress, args=(stop, f"compile {pool.name}"), daemon=True)
     bar.start()

@@ -1,5 +1,6 @@
 """`strait up`: starts its own nats-server when none answers, prints the URL and a dev key,
-serves a request, and stops every process on SIGINT (Ctrl-C)."""
+serves a request, restarts a worker killed with SIGKILL (serving again within 30 s), and stops
+every process on SIGINT (Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.e2e
+
+# Seconds from a worker's kill -9 to a served request (issue 18's bound for a warm machine).
+RESTART_BOUND_S = 30.0
 
 FAKE_FLEET = """
 [router]
@@ -76,6 +80,29 @@ def test_up_runs_the_fleet_and_ctrl_c_stops_it(tmp_path: Path) -> None:
         )
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 4  # nats-server, router, worker, gateway
+
+        # kill -9 of the worker: restarted, and serving again within the 30 s bound.
+        worker = next(p for p in children if "decode" in " ".join(p.cmdline()))
+        killed_at = time.monotonic()
+        worker.kill()
+        served = False
+        while not served:
+            assert time.monotonic() - killed_at < RESTART_BOUND_S, log.read_text()
+            try:
+                served = (
+                    httpx.post(
+                        f"{base}/v1/completions",
+                        json={"model": "default", "prompt": "hi", "max_tokens": 3},
+                        headers={"Authorization": f"Bearer {key}"},
+                        timeout=5,
+                    ).status_code
+                    == 200
+                )
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert "restarting (1/" in log.read_text()
+        children = psutil.Process(up.pid).children(recursive=True)
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(timeout=40)

@@ -52,3 +52,23 @@ def test_pools_that_do_not_compile_are_not_warmed(tmp_path: Path) -> None:
         pools=[PoolSettings(name="f", model="fake-model", backend="fake")],
     )
     assert not warm.needs_warm(fake, fake.pools[0])
+
+
+def test_num_threads_resolves_and_keys_the_warm_marker(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """-1 is every core but one (at least one); the resolved count is part of the warm key, so a
+    worker that would run another thread count never trusts graphs built for this one."""
+    import os
+
+    from libs.settings import EngineSettings
+
+    cores = len(os.sched_getaffinity(0))
+    assert EngineSettings(num_threads=-1).threads() == max(1, cores - 1)
+    assert EngineSettings(num_threads=3).threads() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0})
+    assert EngineSettings(num_threads=-1).threads() == 1
+    # The same settings resolving to another count (OMP_NUM_THREADS, another machine): a new key.
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    s = _settings(tmp_path, model_dir, compile=True)
+    before = warm.warm_key(s, s.pools[0], model_dir)
+    monkeypatch.setattr(EngineSettings, "threads", lambda self: 7)
+    assert warm.warm_key(s, s.pools[0], model_dir) != before
