@@ -328,3 +328,21 @@ def test_matchers_made_off_the_engine_thread_are_the_ones_used(tok) -> None:  # 
             texts[o.chunk.index] += o.chunk.text
     assert seen == {id(m) for m in made}
     assert all(t in CHOICES for t in texts)
+
+
+def test_a_seeded_constrained_answer_does_not_depend_on_its_batch(tok) -> None:  # type: ignore[no-untyped-def]
+    ps = prompts(tok, 5, seed=9)
+    sp = SamplingParams(max_tokens=60, temperature=1.0, seed=11)
+    alone_engine = make_engine(tok)
+    grammar = alone_engine.grammars.compile(StructuredOutput(json=SCHEMA), None)  # type: ignore[union-attr]
+    alone = run_engine(alone_engine, [Submission("s", ps[0], sp, grammar=grammar)])[("s", 0)]
+    batch_engine = make_engine(tok)
+    others = [
+        Submission(f"o{i}", p, SamplingParams(max_tokens=30, temperature=0.8), arrive_at_step=i)
+        for i, p in enumerate(ps[1:])
+    ]
+    mixed = run_engine(
+        batch_engine, [*others, Submission("s", ps[0], sp, arrive_at_step=2, grammar=grammar)]
+    )[("s", 0)]
+    assert mixed.token_ids == alone.token_ids
+    jsonschema.validate(json.loads(alone.text), SCHEMA)
