@@ -14,11 +14,13 @@ The load client is a separate process (this script with ``--client``), so its CP
 gateway's: it keeps S streaming ``POST /v1/chat/completions`` requests open (``stream: true``,
 ``max_tokens`` M, ``ignore_eos``, ``stream_options.include_usage``) over raw asyncio sockets
 (HTTP/1.1 keep-alive, chunked framing and SSE parsed by hand: cheaper per token than httpx),
-starting a new request on a connection as soon as one ends. After a ramp and a warm-up it
-measures for ``--duration`` seconds:
+starting a new request on a connection as soon as one ends. The window opens after a ramp
+(``--ramp``), once every stream's first request has ended (the first wave starts all together)
+and ``--warmup`` seconds more; it measures for ``--duration`` seconds:
 
-- tokens/s delivered (``usage.completion_tokens`` of the requests that ended in the window;
-  the fake worker sends one token per frame, so one chunk is one token here) and requests/s;
+- tokens/s delivered: content chunks read in the window x tokens per chunk (from the
+  ``usage.completion_tokens`` of whole requests; the fake sends one token per frame, so 1.0
+  here), and requests/s (requests that ended in the window);
 - streams held (requests between their send and their last byte, sampled every 0.25 s);
 - TTFT (send → first content chunk) and the inter-chunk gap between consecutive content chunks
   of a stream as the client reads them, p50/p99. Chunks that arrive in one socket read get a gap
@@ -101,13 +103,31 @@ class ClientState:
         self.gaps = array("d")
         self.held: list[int] = []
         self.started = 0  # slots that have sent their first request
+        self.first_done = 0  # slots whose first request has ended
         self.streams = 0
         self.all_started = asyncio.Event()
+        self.all_first_done = asyncio.Event()
+        # Whole requests that ended (in the window or not): tokens by usage, content chunks read.
+        self.done_tokens = 0
+        self.done_chunks = 0
 
     def slot_started(self) -> None:
         self.started += 1
         if self.started >= self.streams:
             self.all_started.set()
+
+    def request_ended(self, first: bool) -> None:
+        if first:
+            self.first_done += 1
+            if self.first_done >= self.streams:
+                self.all_first_done.set()
+
+    def finished(self, tokens: int, chunks: int) -> None:
+        self.done_tokens += tokens
+        self.done_chunks += chunks
+        if self.recording and not self.stop:
+            self.requests += 1
+            self.tokens += tokens
 
     def error(self, what: str) -> None:
         if self.recording and not self.stop:
@@ -164,21 +184,20 @@ async def http_request(
         return keep
     now = perf()
     last = 0.0
-    usage = 0
+    usage = chunks = 0
     while True:
         pos, n = 0, len(buf)
         while (j := buf.find(b"\r\n", pos)) >= 0:
             size = int(buf[pos:j], 16)
             if size == 0:  # the last chunk: the response is over
-                if st.recording and not st.stop:
-                    st.requests += 1
-                    st.tokens += usage
+                st.finished(usage, chunks)
                 return keep
             end = j + 2 + size
             if n < end + 2:
                 break
             for ev in buf[j + 2 : end].split(b"\n\n"):
                 if b'"finish_reason":null' in ev:  # a content chunk (one token from the fake)
+                    chunks += 1
                     if st.recording:
                         st.chunks += 1
                         if last:
@@ -212,7 +231,7 @@ async def http_slot(i: int, host: str, port: int, delay: float, m: int, st: Clie
     ).encode() + body
     await asyncio.sleep(delay)
     writer: asyncio.StreamWriter | None = None
-    first = True
+    first = first_request = True
     try:
         while not st.stop:
             if writer is None:
@@ -234,6 +253,8 @@ async def http_slot(i: int, host: str, port: int, delay: float, m: int, st: Clie
                 keep = False
             finally:
                 st.inflight -= 1
+                st.request_ended(first_request)
+                first_request = False
             if not keep:
                 writer.transport.abort()
                 writer = None
@@ -250,9 +271,11 @@ async def nats_slot(client: Any, i: int, delay: float, m: int, st: ClientState) 
     perf = time.perf_counter
     await asyncio.sleep(delay)
     st.slot_started()
+    first_request = True
     while not st.stop:
         t0 = perf()
         last = 0.0
+        chunks = 0
         st.inflight += 1
         try:
             gen = client.generate(
@@ -264,6 +287,7 @@ async def nats_slot(client: Any, i: int, delay: float, m: int, st: ClientState) 
             async with gen:
                 async for _d in gen:
                     now = perf()
+                    chunks += 1
                     if st.recording:
                         st.chunks += 1
                         if last:
@@ -271,14 +295,15 @@ async def nats_slot(client: Any, i: int, delay: float, m: int, st: ClientState) 
                         else:
                             st.ttft.append(now - t0)
                     last = now
-            if st.recording and not st.stop and gen.usage is not None:
-                st.requests += 1
-                st.tokens += gen.usage.completion_tokens
+            if gen.usage is not None:
+                st.finished(gen.usage.completion_tokens, chunks)
         except StraitError as e:
             st.error(e.code or type(e).__name__)
             await asyncio.sleep(0.05)
         finally:
             st.inflight -= 1
+            st.request_ended(first_request)
+            first_request = False
 
 
 async def client_main(args: argparse.Namespace) -> None:
@@ -307,9 +332,14 @@ async def client_main(args: argparse.Namespace) -> None:
         tasks = [
             asyncio.create_task(nats_slot(nats_client, i, ramp * i / s, m, st)) for i in range(s)
         ]
+    t_begin = time.perf_counter()
     await asyncio.sleep(ramp)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(st.all_started.wait(), 30)
+    # Past the first wave (all S requests started together), then the warm-up proper.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(st.all_first_done.wait(), args.first_wave_max)
+    warm = time.perf_counter() - t_begin
     await asyncio.sleep(args.warmup)
 
     st.recording = True
@@ -338,6 +368,7 @@ async def client_main(args: argparse.Namespace) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nats_client.close(), 10)
     ms = 1000.0
+    ratio = st.done_tokens / st.done_chunks if st.done_chunks else 1.0
     res = {
         "kind": args.client,
         "streams": s,
@@ -347,8 +378,14 @@ async def client_main(args: argparse.Namespace) -> None:
         "tokens": st.tokens,
         "chunks": st.chunks,
         "requests": st.requests,
-        "tokens_per_s": st.tokens / took,
+        # Tokens delivered in the window: content chunks read in it x tokens per chunk (from
+        # the usage of whole requests). Not "usage of the requests that ended in the window",
+        # which undercounts while slow streams are still in their first wave.
+        "tokens_per_chunk": ratio,
+        "tokens_per_s": st.chunks * ratio / took,
+        "usage_tokens_per_s": st.tokens / took,
         "chunks_per_s": st.chunks / took,
+        "first_wave_s": warm,
         "chunks_per_read": st.chunks / st.reads if st.reads else None,
         "req_per_s": st.requests / took,
         "ttft_ms": [(pct(st.ttft, q) or 0) * ms for q in (0.5, 0.99)],
@@ -527,6 +564,7 @@ def run_point(
         "--targets", ",".join(targets), "--streams", str(streams),
         "--max-tokens", str(args.max_tokens), "--duration", str(args.duration),
         "--warmup", str(args.warmup), "--ramp", str(args.ramp),
+        "--first-wave-max", str(args.first_wave_max),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     err = open(log_dir / f"client-{kind}-{len(targets)}-{streams}.log", "wb")
@@ -602,8 +640,9 @@ def fmt_errors(e: dict[str, int]) -> str:
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\nmax_tokens {args.max_tokens}, {args.workers} FAKE workers "
-        f"(per_token {args.per_token_ms} ms), window {args.duration:g} s after "
-        f"{args.ramp:g} s ramp + {args.warmup:g} s warm-up; CPU in % of one core\n"
+        f"(per_token {args.per_token_ms} ms); each window {args.duration:g} s, opened after a "
+        f"{args.ramp:g} s ramp, every stream's first request, and {args.warmup:g} s more; "
+        "CPU in % of one core\n"
     )
     print(
         "| path | gateways | streams | held (mean / min) | tokens/s | req/s | TTFT p50 / p99 ms "
@@ -628,7 +667,7 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\nThe gateways' own /metrics over the same window (histogram quantiles, bucketed):\n")
     print(
         "| gateways | streams | gateway | output tokens/s | requests by status "
-        "| rejected | TTFT p50 / p99 ms | e2e p50 / p99 ms | in flight after |"
+        "| rejected | TTFT p50 / p99 ms | e2e p50 / p99 ms | in flight at the end |"
     )
     print("| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |")
     for r in http:
@@ -690,7 +729,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="FAKE workers")
     p.add_argument("--per-token-ms", type=float, default=0.0, help="the fake's cost per token")
     p.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams open")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds after the ramp, unmeasured")
+    p.add_argument(
+        "--first-wave-max",
+        type=float,
+        default=60.0,
+        help="after the ramp, wait (at most this long) until every stream's first request ended",
+    )
+    p.add_argument(
+        "--warmup", type=float, default=3.0, help="then this many seconds more, unmeasured"
+    )
     p.add_argument("--no-nats", action="store_true", help="skip the NATS-path rows")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--logs", default="", help="keep the processes' logs in this directory")

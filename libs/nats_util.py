@@ -231,6 +231,11 @@ class StreamReader:
                 pass
             self._sub = None
 
+    @property
+    def pending(self) -> int:
+        """Messages received and not yet taken by :meth:`messages`."""
+        return self._queue.qsize()
+
     async def messages(self) -> AsyncIterator[StreamMessage]:
         expected = 1
         held: dict[int, StreamMessage] = {}
@@ -238,7 +243,12 @@ class StreamReader:
         while True:
             if self.overflowed:
                 raise StreamGap(expected, -1)
-            data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+            # A message already queued is taken at once: wait_for costs a task per call, and a
+            # gateway streaming thousands of tokens a second pays it once per token.
+            if self._queue.empty():
+                data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+            else:
+                data = self._queue.get_nowait()
             timeout = self._idle_timeout
             try:
                 msg = decode_stream(data)

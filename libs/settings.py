@@ -55,6 +55,11 @@ class GatewaySettings(BaseModel):
     max_inflight: int = 256
     # Bytes of one request body (POST); past it: 413 request_too_large before the body is parsed.
     max_body_bytes: int = 4 * 1024 * 1024
+    # Seconds the gateway waits for JetStream's ack of a request or a usage event, and how many
+    # times it publishes (with the request id as Nats-Msg-Id, so the stream keeps one copy):
+    # under load an ack can come seconds late while the message is safely stored.
+    publish_ack_timeout_s: float = 5.0
+    publish_attempts: int = Field(default=3, ge=1)
     # Seconds the gateway waits for the first stream message before giving up with 503.
     first_message_timeout_s: float = 120.0
     # Seconds of silence allowed between stream messages once a request is running.

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
 from libs.log import fields
-from libs.nats_util import StreamGap
+from libs.nats_util import StreamGap, StreamReader
 from libs.protocol import (
     ErrorMessage,
     Finished,
@@ -321,6 +321,7 @@ class CompletionRun:
         self.on_close = on_close
         self.stack = AsyncExitStack()
         self.messages: AsyncIterator[StreamMessage] | None = None
+        self.reader: StreamReader | None = None
         self.done = False
         self.span = _tracer.start_span(
             "gateway.request",
@@ -333,7 +334,7 @@ class CompletionRun:
 
     async def start(self) -> StreamMessage:
         """Submit and wait for the first message; raises ApiError for an early failure."""
-        reader = self.fleet.reader(self.req)
+        reader = self.reader = self.fleet.reader(self.req)
         await self.stack.enter_async_context(reader)
         try:
             with trace.use_span(self.span, end_on_exit=False):
@@ -442,6 +443,9 @@ class CompletionRun:
     # ---------------------------------------------------------------- streaming
 
     async def sse(self, first: StreamMessage) -> AsyncIterator[str]:
+        """SSE lines for every stream message. Lines of messages that are already waiting in
+        the reader go out as one write: at thousands of streams a socket write per token was
+        the gateway's largest cost (bench/gateway_load.py's profile)."""
         started: set[int] = set()
         # Requests whose calls are reported: text that may start a call's markup is held back.
         filters = (
@@ -451,6 +455,7 @@ class CompletionRun:
             and (self.req.tool_choice != "none" or self.req.tool_name)
             else None
         )
+        out: list[str] = []
         msg: StreamMessage = first
         try:
             while True:
@@ -464,25 +469,30 @@ class CompletionRun:
                             text += f.flush(calls_made=bool(msg.tool_calls))
                     if text or msg.index not in started or msg.logprobs:
                         lp = _logprobs_json(self.kind, msg.logprobs)
-                        yield self.shaper.delta(msg.index, text, msg.index not in started, lp)
+                        out.append(self.shaper.delta(msg.index, text, msg.index not in started, lp))
                         started.add(msg.index)
                     if msg.tool_calls:
-                        yield self.shaper.tool_calls(msg.index, msg.tool_calls, False)
+                        out.append(self.shaper.tool_calls(msg.index, msg.tool_calls, False))
                     if msg.finish_reason is not None:
-                        yield self.shaper.finish(msg.index, msg.finish_reason)
+                        out.append(self.shaper.finish(msg.index, msg.finish_reason))
                 elif isinstance(msg, Finished):
                     self.outcome.finished = msg
                     if self.shaper.include_usage:
-                        yield self.shaper.usage(_finished_usage(msg))
-                    yield self.shaper.DONE
-                    return
+                        out.append(self.shaper.usage(_finished_usage(msg)))
+                    out.append(self.shaper.DONE)
+                    break
                 elif isinstance(msg, ErrorMessage):
                     await self.fail(msg.code, msg.message)
-                    yield self.shaper.error(ApiError.from_stream(msg))
-                    return
+                    out.append(self.shaper.error(ApiError.from_stream(msg)))
+                    break
+                if out and not (self.reader is not None and self.reader.pending):
+                    yield "".join(out)
+                    out.clear()
                 msg = await self.next_message()
+            yield "".join(out)
         except ApiError as e:
-            yield self.shaper.error(e)
+            out.append(self.shaper.error(e))
+            yield "".join(out)
         finally:
             # Runs on normal end and when the client disconnects (the generator is closed).
             await asyncio.shield(self.close())
