@@ -133,6 +133,16 @@ class ClientState:
         if self.recording and not self.stop:
             self.errors[what] += 1
 
+    def chunk(self, now: float, last: float, t0: float) -> None:
+        """A content chunk read at ``now`` (the stream's previous one at ``last``, 0: none;
+        its request sent at ``t0``): a gap, or the TTFT when it is the first."""
+        if self.recording:
+            self.chunks += 1
+            if last:
+                self.gaps.append(now - last)
+            else:
+                self.ttft.append(now - t0)
+
 
 def chat_body(i: int, max_tokens: int) -> bytes:
     return json.dumps(
@@ -198,12 +208,7 @@ async def http_request(
             for ev in buf[j + 2 : end].split(b"\n\n"):
                 if b'"finish_reason":null' in ev:  # a content chunk (one token from the fake)
                     chunks += 1
-                    if st.recording:
-                        st.chunks += 1
-                        if last:
-                            st.gaps.append(now - last)
-                        else:
-                            st.ttft.append(now - t0)
+                    st.chunk(now, last, t0)
                     last = now
                 elif ev.startswith(b'data: {"error"'):
                     code = "stream_error"
@@ -288,12 +293,7 @@ async def nats_slot(client: Any, i: int, delay: float, m: int, st: ClientState) 
                 async for _d in gen:
                     now = perf()
                     chunks += 1
-                    if st.recording:
-                        st.chunks += 1
-                        if last:
-                            st.gaps.append(now - last)
-                        else:
-                            st.ttft.append(now - t0)
+                    st.chunk(now, last, t0)
                     last = now
             if gen.usage is not None:
                 st.finished(gen.usage.completion_tokens, chunks)
