@@ -84,13 +84,17 @@ def call_schema(tools: list[ToolFunction]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def forced_calls_lark(spec: ToolSpec) -> str:
+def forced_calls_lark(spec: ToolSpec, or_json: dict[str, Any] | None = None) -> str:
     """A Lark grammar (llguidance's dialect, ``%json`` for embedded schemas) whose sentences are
-    one call, or one or more with parallel calls allowed (never with a named function)."""
+    one call, or one or more with parallel calls allowed (never with a named function); with
+    ``or_json`` (a JSON schema), a JSON answer under it is a sentence too."""
     schema = json.dumps(with_layout(call_schema(spec.callable())), separators=(",", ":"))
     repeat = "+" if spec.parallel and spec.name is None else ""
     open_, close = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
-    return f"start: call{repeat}\ncall: {open_} %json {schema} {close}\n"
+    start = f"call{repeat}"
+    if or_json is not None:
+        start = f"%json {json.dumps(with_layout(or_json))} | {start}"
+    return f"start: {start}\ncall: {open_} %json {schema} {close}\n"
 
 
 def fallback_instructions(tools: list[ToolFunction]) -> str:

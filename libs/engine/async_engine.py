@@ -264,21 +264,14 @@ class AsyncEngineBackend:
                 f"model's context ({self.max_model_len} tokens)",
                 param,
             )
-        if any(not 0 <= t < self.vocab_size for t in sampling.logit_bias_ids()):
-            raise BackendError(
-                "invalid_request",
-                f"logit_bias names a token outside the vocabulary (0..{self.vocab_size - 1})",
-                "logit_bias",
-            )
-        grammar = None
-        if sampling.structured is not None or (tools is not None and tools.forced):
-            if self._engine is None or self._engine.grammars is None:
-                raise BackendError("internal_error", "the engine is not started")
-            grammar = self._engine.grammars.compile(sampling.structured, tools)
-        matchers = []
-        if grammar is not None:
-            assert self._engine is not None and self._engine.grammars is not None
-            matchers = [self._engine.grammars.matcher(grammar) for _ in range(sampling.n)]
+        # logit_bias's token ids are checked by LLMEngine.add_request.
+        if sampling.structured is None and not (tools is not None and tools.forced):
+            return PreparedPrompt(token_ids=ids, text=text)
+        grammars = self._engine.grammars if self._engine is not None else None
+        if grammars is None:
+            raise BackendError("internal_error", "the engine is not started")
+        grammar = grammars.compile(sampling.structured, tools)
+        matchers = [grammars.matcher(grammar) for _ in range(sampling.n)] if grammar else []
         return PreparedPrompt(token_ids=ids, text=text, grammar=grammar, matchers=matchers)
 
     def _check_length_before_tokenizing(

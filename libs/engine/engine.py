@@ -32,6 +32,7 @@ from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
 from libs.engine.structured import Grammars
+from libs.log import fields
 from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
 from libs.settings import EngineSettings
 
@@ -327,7 +328,7 @@ class LLMEngine:
         if not m.consume_token(token):
             log.warning(
                 "token outside the grammar",
-                extra={"request_id": seq.request_id, "error": m.get_error()},
+                extra=fields(request_id=seq.request_id, error=m.get_error()),
             )
             return True
         return bool(m.is_stopped())

@@ -57,14 +57,10 @@ def grammar_text(structured: StructuredOutput | None, tools: ToolSpec | None) ->
     try:
         if kind == "json":
             assert structured.json is not None
-            schema = with_layout(structured.json)
             if forced:
                 assert tools is not None
-                lark = forced_calls_lark(tools).replace(
-                    "start: ", f"start: %json {json.dumps(schema)} | ", 1
-                )
-                return llguidance.grammar_from("lark", lark)
-            return llguidance.grammar_from("json_schema", json.dumps(schema))
+                return llguidance.grammar_from("lark", forced_calls_lark(tools, structured.json))
+            return llguidance.grammar_from("json_schema", json.dumps(with_layout(structured.json)))
         if forced:
             assert tools is not None
             raise BackendError(

@@ -346,3 +346,20 @@ def test_a_seeded_constrained_answer_does_not_depend_on_its_batch(tok) -> None: 
     )[("s", 0)]
     assert mixed.token_ids == alone.token_ids
     jsonschema.validate(json.loads(alone.text), SCHEMA)
+
+
+def test_a_schema_beside_forced_calls_allows_either(tok) -> None:  # type: ignore[no-untyped-def]
+    """response_format and tool_choice "required" together: a call or JSON under the schema."""
+    engine = make_engine(tok)
+    g = engine.grammars
+    assert g is not None
+    grammar = g.compile(StructuredOutput(json=SCHEMA), ToolSpec((TIME,), "required"))
+    assert grammar is not None
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    answer = '{"ok": true, "color": "red", "size": 2}'
+    for text in (call, answer):
+        m = g.matcher(grammar)
+        assert m.consume_tokens(tok.encode(text)), (text, m.get_error())
+        assert m.is_accepting()
+    m = g.matcher(grammar)
+    assert not m.consume_tokens(tok.encode('{"zone": "utc"}'))
