@@ -55,12 +55,19 @@ class PreparedPrompt:
 
 @dataclass(slots=True)
 class Resume:
-    """A request whose first output token was sampled elsewhere (the prefill worker of a KV
-    handoff). The decode engine appends it as if it had sampled it — same detokenizer, stop and
-    penalty state, same seeded random stream — and continues from the second token."""
+    """A request whose output began elsewhere. The engine appends the given tokens as if it had
+    sampled them — same detokenizer, stop, grammar and penalty state, same seeded random stream
+    (one draw skipped per token) — and continues after them.
 
-    token_id: int
+    - ``replayed``: output tokens another worker already streamed (a migration); appended and
+      never reported again.
+    - ``token_id``: the next token, sampled elsewhere and not yet streamed (the prefill worker of
+      a KV handoff); reported in the first chunk with ``logprobs``. None: the engine samples it.
+    """
+
+    token_id: int | None = None
     logprobs: LogprobEntry | None = None
+    replayed: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

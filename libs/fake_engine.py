@@ -151,8 +151,10 @@ class FakeBackend:
         priority: Priority,
         resume: Resume | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        if resume is not None:
+        if resume is not None and (resume.token_id is not None or sampling.n != 1):
             raise BackendError("invalid_request", "the fake backend does not take KV handoffs")
+        # A migrated request: its first ``replayed`` words were streamed by another worker.
+        skip = len(resume.replayed) if resume is not None else 0
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -168,12 +170,14 @@ class FakeBackend:
             for step in range(sampling.max_tokens):
                 if request_id in self._aborted:
                     return
-                if step:
+                if step > skip:
                     await asyncio.sleep(self.settings.per_token_s)
                 for i, rng in enumerate(rngs):
                     if done[i]:
                         continue
                     word = rng.choice(_WORDS)
+                    if step < skip:  # same draws as the first worker, not streamed again
+                        continue
                     text = word if step == 0 else " " + word
                     last = step == sampling.max_tokens - 1
                     stop_hit = any(s and s in text for s in sampling.stop)

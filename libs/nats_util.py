@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -283,14 +283,30 @@ class StreamReader:
                     return
 
 
-class StreamWriter:
-    """Publishes one request's stream messages with consecutive ``seq`` numbers."""
+class StreamTaken(Exception):
+    """The writer's worker no longer owns its streams (see ``StreamWriter``'s ``owner``)."""
 
-    def __init__(self, nc: NATS, subject: str, request_id: str, first_seq: int = 1) -> None:
+
+class StreamWriter:
+    """Publishes one request's stream messages with consecutive ``seq`` numbers.
+
+    ``owner`` (optional) is asked before every publish; when it answers False, ``send`` raises
+    :class:`StreamTaken` and publishes nothing: a worker that the router presumed lost (its
+    beats stopped long enough) must not write into a stream another worker now continues."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        subject: str,
+        request_id: str,
+        first_seq: int = 1,
+        owner: Callable[[], bool] | None = None,
+    ) -> None:
         self._nc = nc
         self.subject = subject
         self.request_id = request_id
         self._seq = first_seq - 1  # a decode worker continues a stream a prefill worker began
+        self._owner = owner
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -301,6 +317,8 @@ class StreamWriter:
         return self._seq + 1
 
     async def send(self, msg: msgspec.Struct) -> None:
+        if self._owner is not None and not self._owner():
+            raise StreamTaken(self.request_id)
         await self._nc.publish(self.subject, encode(msg))
 
 

@@ -181,6 +181,19 @@ class RouteReason(Struct):
     cost: float | None = None
 
 
+class Migration(Struct, kw_only=True):
+    """What a request's stream already carried when its worker was lost (router → the next
+    worker, on ``Assignment.migration``). The next worker recomputes prompt + these tokens,
+    replays them through its detokenizer, grammar, penalty and seeded-sampler state without
+    reporting them again, and continues the stream at ``next_seq``."""
+
+    from_worker: str
+    output_token_ids: list[int] = msgspec.field(default_factory=list)  # choice 0's, in order
+    output_text: str = ""  # the text those tokens streamed (tool-call parsing needs it)
+    finished: bool = False  # the choice's last delta was streamed; only Finished is missing
+    next_seq: int = 2  # the next worker's first stream message gets this seq
+
+
 class Assignment(Struct, kw_only=True):
     """Router → worker on ``Subjects.work(worker_id)`` (request/reply; reply is AssignmentAck)."""
 
@@ -191,6 +204,8 @@ class Assignment(Struct, kw_only=True):
     queued_s: float = 0.0  # time between publish and the router's decision
     # Disaggregated pools: the decode workers the prefill worker may hand off to, best first.
     decode_workers: list[str] = msgspec.field(default_factory=list)
+    # Set when the request moves mid-stream from a lost worker (see Migrated).
+    migration: Migration | None = None
 
 
 class AssignmentAck(Struct):
@@ -205,6 +220,9 @@ class CancelRequest(Struct):
     v: int = PROTOCOL_VERSION
     request_id: str = ""
     reason: str = "client_disconnected"
+    # Non-empty: only this worker drops the request (the router taking a request away from a
+    # worker it presumed lost); others running the same request id keep it.
+    worker_id: str = ""
 
 
 # ---------------------------------------------------------------- stream messages
@@ -319,7 +337,21 @@ class ErrorMessage(Struct, tag="error"):
     v: int = PROTOCOL_VERSION
 
 
-StreamMessage = Routed | TokenDelta | Finished | ErrorMessage
+class Migrated(Struct, tag="migrated"):
+    """The router moved the request to another worker mid-stream (its worker stopped beating).
+    The stream goes on: the next message continues the same choices (no token is repeated or
+    skipped, ``seq`` keeps counting). Readers that do not care skip it, as they skip Routed."""
+
+    seq: int
+    request_id: str
+    from_worker: str
+    attempt: int  # the placement attempt that follows (2 = first migration)
+    num_tokens: int = 0  # output tokens the stream had carried, kept and not recomputed
+    reason: str = "worker_lost"
+    v: int = PROTOCOL_VERSION
+
+
+StreamMessage = Routed | TokenDelta | Finished | ErrorMessage | Migrated
 
 
 # ---------------------------------------------------------------- fleet state

@@ -143,10 +143,12 @@ class RouterSettings(BaseModel):
     saturation_spill: bool = False
     saturation_load: float = 1.0
     retry_after_s: float = 2.0  # in no_worker / no_capacity errors
-    # Re-place a request whose worker stops beating before the request's first token.
+    # Place a request again when its worker stops beating: from scratch before its first
+    # token, as a migration (the tokens streamed so far carried over) after it.
     replace_lost: bool = True
     max_attempts: int = 3
-    # Requests watched for their first token at once, and for how long at most.
+    # Requests watched at once, and how long a watched stream may stay silent before the
+    # router forgets it.
     max_watched: int = 10_000
     watch_ttl_s: float = 120.0
     # Tokenizations (per message / prompt) cached by the prefix hasher of each model.
@@ -164,6 +166,11 @@ class WorkerSettings(BaseModel):
     metrics_port: int = 0  # 0: no HTTP listener
     # Assignments held but not yet started past this are refused (router tries another worker).
     max_waiting: int = 256
+    # After SIGTERM (or a drain message): seconds running requests get to finish while the
+    # worker takes no new work; past it, aggregated workers' requests migrate (the router moves
+    # them once the worker's beats stop), other roles' end with worker_lost. Keep the pod's
+    # terminationGracePeriodSeconds above this plus router.worker_ttl_s.
+    drain_timeout_s: float = 30.0
 
 
 class HandoffSettings(BaseModel):

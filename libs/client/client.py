@@ -48,6 +48,7 @@ from libs.protocol import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Migrated,
     Priority,
     ProtocolError,
     Routed,
@@ -356,6 +357,7 @@ class Generation:
         self._payload = payload
         self.finished: Finished | None = None
         self.route: RouteReason | None = None
+        self.migrations = 0  # times the fleet moved the request to another worker mid-stream
         self.error: StraitError | None = None
         self.ttft_s: float | None = None
         self._reader: StreamReader | None = None
@@ -447,6 +449,8 @@ class Generation:
                     yield msg
                 elif isinstance(msg, Routed):
                     self.route = msg.route
+                elif isinstance(msg, Migrated):
+                    self.migrations += 1  # moved to another worker; the deltas go on
                 elif isinstance(msg, Finished):
                     self.finished, self._done = msg, True
                 elif isinstance(msg, ErrorMessage):

@@ -45,6 +45,7 @@ from libs.protocol import (
     HandoffOffer,
     HandoffReply,
     HandoffResult,
+    Migrated,
     Routed,
     RouteDecision,
     SamplingParams,
@@ -79,9 +80,9 @@ SUBJECTS: dict[str, SubjectDoc] = {
     ),
     "stream": SubjectDoc(
         ("<request_id>",),
-        "Routed / TokenDelta / Finished / ErrorMessage",
+        "Routed / TokenDelta / Migrated / Finished / ErrorMessage",
         "core NATS",
-        "worker (router and worker for errors)",
+        "worker (router for errors and Migrated)",
         "whoever submitted the request",
         True,
     ),
@@ -229,11 +230,12 @@ ERRORS: dict[str, str] = {
     "cancelled": "reserved; a cancelled request's stream simply ends (no message)",
     "timeout": "reserved for the fleet; the client raises it for its own first-token/idle limits",
     "internal_error": "worker: an unexpected failure while generating",
-    "worker_lost": "worker shutting down mid-request; router after `router.max_attempts` re-placements",
+    "worker_lost": "router: the request's worker was lost and the request cannot move (`router.max_attempts` reached, `n` > 1 mid-stream, a disaggregated pool mid-stream); worker: shut down mid-request past its drain deadline",
 }  # fmt: skip
 
 MESSAGE_TABLES: list[type[Any]] = [
-    GenerateRequest, SamplingParams, CancelRequest, Routed, TokenDelta, Finished, ErrorMessage,
+    GenerateRequest, SamplingParams, CancelRequest, Routed, TokenDelta, Migrated, Finished,
+    ErrorMessage,
     UsageEvent, RouteDecision,
 ]  # fmt: skip
 

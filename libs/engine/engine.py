@@ -129,7 +129,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
-        With ``resume`` (n = 1 only), the first output token is given, not sampled; it is
+        With ``resume`` (n = 1 only), output tokens given by another worker are appended
+        first (see :class:`libs.backend.Resume`): replayed ones silently, the handed-off one
         reported in the next step's output. ``grammar``: llguidance grammar text (from
         ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
         of it made off this thread (choices without one get a new one here)."""
@@ -167,10 +168,23 @@ class LLMEngine:
         req.seqs.append(seq)
         self.requests[request_id] = req
         if resume is not None:
-            self.sampler.skip(sampling, seq.generator, self.runner.shape.vocab_size)
-            self._append(seq, resume.token_id, resume.logprobs)
-            self._resumed.append(seq)
+            vocab = self.runner.shape.vocab_size
+            for token in resume.replayed:
+                self.sampler.skip(sampling, seq.generator, vocab)
+                self._append(seq, token, None)
+                if seq.is_finished:
+                    break
+            # The replayed output was streamed by the worker that produced it.
+            seq.pending_text, seq.pending_token_ids = "", []
+            if resume.token_id is not None and not seq.is_finished:
+                self.sampler.skip(sampling, seq.generator, vocab)
+                self._append(seq, resume.token_id, resume.logprobs)
+                self._resumed.append(seq)
             if seq.is_finished:
+                # Nothing left to run: the next step reports the finish (with no new tokens
+                # when the replay itself ended the output).
+                if seq not in self._resumed:
+                    self._resumed.append(seq)
                 return
         self.scheduler.add(seq)
 

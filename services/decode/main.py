@@ -24,9 +24,6 @@ from services.decode.worker import Worker
 
 log = logging.getLogger("strait.worker")
 
-# Seconds running requests get to finish after SIGTERM.
-DRAIN_TIMEOUT_S = 30.0
-
 
 def build_backend(settings: Settings) -> Backend:
     pool = settings.pool(settings.worker.pool)
@@ -73,7 +70,10 @@ async def run_worker(
         await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
         await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
     ]
-    tasks.append(asyncio.create_task(worker.beat_loop(ctx.stopping)))
+    # Beats go on while draining (they say so, and keep the router from moving requests that
+    # are finishing here); they stop once the drain is over.
+    beats_stop = asyncio.Event()
+    tasks.append(asyncio.create_task(worker.beat_loop(beats_stop)))
     log.info(
         "worker ready",
         extra=fields(
@@ -85,8 +85,9 @@ async def run_worker(
     )
     try:
         await ctx.stopping.wait()
-        await worker.drain(DRAIN_TIMEOUT_S)
+        await worker.drain(worker.settings.worker.drain_timeout_s)
     finally:
+        beats_stop.set()
         for t in tasks:
             t.cancel()
         for s in subs:

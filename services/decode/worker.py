@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 
 from libs.backend import Backend, BackendError, GenerationChunk, Resume
 from libs.log import fields
-from libs.nats_util import StreamWriter, publish_msg
+from libs.nats_util import StreamTaken, StreamWriter, publish_msg
 from libs.protocol import (
     Assignment,
     AssignmentAck,
@@ -78,6 +78,17 @@ class Worker:
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
+        # When this worker last published a beat (monotonic; 0 before the first). Past the
+        # router's worker_ttl_s without one, the router presumes it lost and moves its requests.
+        self.last_beat_at = 0.0
+
+    def owns_streams(self) -> bool:
+        """False once the router must have presumed this worker lost (no beat sent within
+        ``router.worker_ttl_s``: a SIGSTOP, a stalled event loop): its requests run elsewhere
+        now, and their streams are not this worker's to write. Asked before every publish."""
+        if not self.last_beat_at:
+            return True
+        return time.monotonic() - self.last_beat_at <= self.settings.router.worker_ttl_s
 
     # ------------------------------------------------------------ NATS handlers
 
@@ -97,6 +108,9 @@ class Worker:
                 msg, AssignmentAck(accepted=False, reason="draining" if self.draining else "full")
             )
             return
+        if a.migration is not None and self.role != "aggregated":
+            await self._ack(msg, AssignmentAck(accepted=False, reason="migration_unsupported"))
+            return
         if rid in self.tasks:  # duplicate delivery of an assignment we already run
             await self._ack(msg, AssignmentAck(accepted=True, reason="duplicate"))
             return
@@ -111,6 +125,8 @@ class Worker:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
         rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
+        if c.worker_id and c.worker_id != self.worker_id:
+            return  # the request was taken from another worker, and runs here now
         self.recently_cancelled[rid] = None
         while len(self.recently_cancelled) > RECENT_CANCELS:
             self.recently_cancelled.popitem(last=False)
@@ -175,9 +191,12 @@ class Worker:
         A cancel (client or shutdown) frees the request's blocks; only a shutdown tells the
         client, since a cancelling client is gone."""
         rid = out.request_id
+        if isinstance(e, StreamTaken):
+            self.backend.abort(rid)
+            return "moved", "presumed_lost"
         if isinstance(e, asyncio.CancelledError):
             self.backend.abort(rid)
-            if self.draining:
+            if self.draining and not self.migrates_on_drain():
                 await out.send(
                     ErrorMessage(
                         seq=out.next_seq(),
@@ -228,7 +247,9 @@ class Worker:
         req = a.request
         rid = req.request_id
         subject = req.reply_subject or self.subjects.stream(rid)
-        out = StreamWriter(self.nc, subject, rid, handoff.next_seq if handoff else 1)
+        mig = a.migration
+        first_seq = handoff.next_seq if handoff else mig.next_seq if mig else 1
+        out = StreamWriter(self.nc, subject, rid, first_seq, owner=self.owns_streams)
         started = time.perf_counter()
         # Time to first token as the client sees it from the workers' side: a handed-off
         # request already spent prefill_s on the prefill worker.
@@ -245,8 +266,12 @@ class Worker:
         resume = None
         if handoff is not None and handoff.first_token_id is not None:
             resume = Resume(handoff.first_token_id, handoff.first_logprobs)
+        elif mig is not None:
+            resume = Resume(replayed=mig.output_token_ids)
+            span.set_attribute("strait.migrated_from", mig.from_worker)
+            span.set_attribute("strait.replayed_tokens", len(mig.output_token_ids))
         try:
-            if req.want_route and handoff is None:
+            if req.want_route and handoff is None and mig is None:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
             tools = ToolSpec.of(req)
             prompt = await asyncio.to_thread(
@@ -262,6 +287,15 @@ class Worker:
             usage.prompt_tokens = len(prompt.token_ids)
             span.set_attribute("strait.constraint", constraint_kind(req))
             calls = ToolCallCollector(tools, req.sampling.n) if tools and tools.parsed else None
+            if mig is not None:
+                # The lost worker's tokens count once, here; their text feeds the call parser.
+                usage.completion_tokens = len(mig.output_token_ids)
+                if calls is not None:
+                    calls.texts[0] = mig.output_text
+            if mig is not None and mig.finished:
+                # Every delta was streamed; only the stream's end was lost with the worker.
+                await self.send_finished(out, a, usage, None, time.perf_counter() - started)
+                return
             gen = self.backend.generate(rid, prompt, req.sampling, req.priority, resume)
             async for chunk in gen:
                 now = time.perf_counter()
@@ -270,7 +304,9 @@ class Worker:
                     span.add_event("first_token")
                     metrics.TTFT.observe(ttft)
                     if handoff is None:
-                        self.count_prompt(usage.prompt_tokens, chunk.num_cached_tokens)
+                        # A migrated request's replayed output is recomputed like prompt.
+                        replayed = len(mig.output_token_ids) if mig is not None else 0
+                        self.count_prompt(usage.prompt_tokens + replayed, chunk.num_cached_tokens)
                         phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
                         phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
                         phase.set_attribute(
@@ -285,7 +321,9 @@ class Worker:
                     last_token_at = now
                 usage.completion_tokens += len(chunk.token_ids)
                 usage.cached_tokens = (
-                    handoff.num_cached_tokens if handoff else chunk.num_cached_tokens
+                    handoff.num_cached_tokens
+                    if handoff
+                    else min(chunk.num_cached_tokens, usage.prompt_tokens)
                 )
                 await self.send_chunk(out, chunk, calls.add(chunk) if calls else None)
             total = ttft_offset + time.perf_counter() - started
@@ -388,9 +426,23 @@ class Worker:
     async def beat_loop(self, stopping: asyncio.Event) -> None:
         subject = self.subjects.beat(self.pool, self.role, self.worker_id)
         while True:
+            if not self.owns_streams() and self.tasks:
+                # Stalled past the router's TTL: it has moved these requests elsewhere.
+                log.warning(
+                    "beats stalled past router.worker_ttl_s; dropping requests moved elsewhere",
+                    extra=fields(
+                        worker_id=self.worker_id,
+                        stalled_s=round(time.monotonic() - self.last_beat_at, 3),
+                        requests=len(self.tasks),
+                    ),
+                )
+                for rid, t in list(self.tasks.items()):
+                    self.backend.abort(rid)
+                    t.cancel()
             beat, kv = self.beat()
             try:
                 await publish_msg(self.nc, subject, beat)
+                self.last_beat_at = time.monotonic()
                 if kv is not None:
                     await publish_msg(self.nc, self.subjects.kv_events(self.worker_id), kv)
             except Exception as e:  # reconnecting: the next beat will go out
@@ -401,8 +453,15 @@ class Worker:
             except TimeoutError:
                 continue
 
+    def migrates_on_drain(self) -> bool:
+        """Requests still running at the drain deadline move to another worker (the router
+        migrates them once this worker's beats stop) rather than end with ``worker_lost``."""
+        return self.role == "aggregated" and self.settings.router.replace_lost
+
     async def drain(self, timeout_s: float) -> None:
-        """Stop taking work (beats say draining), let running requests finish, then abort."""
+        """Stop taking work (beats say draining), let running requests finish for up to
+        ``timeout_s``, then cancel the rest: silently where they migrate, else with a
+        ``worker_lost`` error. The caller stops the beats afterwards."""
         self.draining = True
         beat, _ = self.beat()
         await publish_msg(self.nc, self.subjects.beat(self.pool, self.role, self.worker_id), beat)

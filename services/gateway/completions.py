@@ -33,6 +33,7 @@ from libs.protocol import (
     Finished,
     GenerateRequest,
     LogprobEntry,
+    Migrated,
     Routed,
     StreamMessage,
     TokenDelta,
@@ -69,6 +70,7 @@ class Outcome:
     finished: Finished | None = None
     route_code: str = ""
     route_factors: list[str] = field(default_factory=list)
+    migrations: int = 0  # times the router moved the request to another worker mid-stream
 
     def usage_event(self) -> UsageEvent:
         f = self.finished
@@ -370,7 +372,17 @@ class CompletionRun:
     async def next_message(self) -> StreamMessage:
         assert self.messages is not None
         try:
-            return await anext(self.messages)
+            msg = await anext(self.messages)
+            while isinstance(msg, Migrated):
+                # The router moved the request to another worker; the stream goes on.
+                metrics.MIGRATIONS.inc()
+                self.outcome.migrations += 1
+                self.span.add_event(
+                    "migrated",
+                    {"strait.from_worker": msg.from_worker, "strait.tokens": msg.num_tokens},
+                )
+                msg = await anext(self.messages)
+            return msg
         except TimeoutError:
             await self.fleet.cancel(self.req.request_id, "gateway_timeout")
             await self.fail("timeout", "timed out waiting for the worker")
@@ -428,6 +440,7 @@ class CompletionRun:
                 cached_tokens=ev.cached_tokens,
                 ttft_s=round(o.ttft_s, 4) if o.ttft_s else None,
                 total_s=round(ev.total_s, 4),
+                migrations=o.migrations or None,
             ),
         )
         if self.on_close is not None:

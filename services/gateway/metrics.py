@@ -10,6 +10,9 @@ REQUESTS = Counter(
 TTFT = Histogram("strait_gateway_ttft_seconds", "Request to first token", buckets=LATENCY_BUCKETS)
 E2E = Histogram("strait_gateway_e2e_seconds", "Request to last byte", buckets=LATENCY_BUCKETS)
 OUTPUT_TOKENS = Counter("strait_gateway_output_tokens_total", "Tokens streamed to clients")
+MIGRATIONS = Counter(
+    "strait_gateway_migrations_total", "Streams the router moved to another worker mid-stream"
+)
 INFLIGHT = Gauge("strait_gateway_inflight_requests", "Requests this gateway holds")
 REJECTED = Counter(
     "strait_gateway_rejected_total", "Requests refused before reaching the fleet", ["code"]

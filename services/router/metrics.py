@@ -19,9 +19,15 @@ OVERLAP_BLOCKS = Histogram(
     buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 LIVE_WORKERS = Gauge("strait_router_live_workers", "Workers with a fresh beat", ["pool"])
-WATCHED = Gauge("strait_router_watched_requests", "Requests placed and awaiting a first token")
+WATCHED = Gauge("strait_router_watched_requests", "Requests placed whose stream has not ended")
 UNWATCHED = Counter(
     "strait_router_unwatched_total", "Requests not watched for re-placement (router.max_watched)"
 )
-REPLACED = Counter("strait_router_replaced_total", "Requests placed again after a worker was lost")
+REPLACED = Counter(
+    "strait_router_replaced_total", "Requests placed again after a worker was lost before output"
+)
+MIGRATED = Counter(
+    "strait_router_migrated_total",
+    "Requests moved mid-stream to another worker after theirs was lost",
+)
 REJECTED = Counter("strait_router_rejected_total", "Requests answered with an error", ["code"])

@@ -13,8 +13,10 @@ way the pool's workers do, and ranks the pool's live workers by cost (``placemen
 outcome carries a ``RouteReason``; no worker anywhere → a typed ``no_worker`` error with
 ``retry_after_s`` on the request's stream.
 
-A placed request is watched until its first token (``watch``); when its worker's beats stop
-first, ``worker_lost`` places it again on another worker (code ``replaced``, ``attempt + 1``).
+A placed request is watched until its stream ends (``watch``); when its worker's beats stop
+first, ``worker_lost`` places it again on another worker of its pool (code ``replaced``,
+``attempt + 1``): from scratch before its first token, as a migration after (the ``Migrated``
+marker on the stream, then ``Assignment.migration`` with the tokens streamed so far).
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ from libs.log import fields
 from libs.protocol import (
     Assignment,
     AssignmentAck,
+    CancelRequest,
     ErrorCode,
     ErrorMessage,
     GenerateRequest,
+    Migrated,
+    Migration,
     ProtocolError,
     RouteDecision,
     RouteReason,
@@ -54,7 +59,7 @@ from services.router import metrics
 from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classifier, prompt_text
 from services.router.placement import CostWeights, Placement, rank
 from services.router.prefix import PrefixHashers
-from services.router.watch import StartWatch
+from services.router.watch import StreamWatch, Watched
 
 log = logging.getLogger("strait.router")
 
@@ -128,7 +133,7 @@ class Router:
             self.cfg.tie_epsilon,
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
-        self.watch = StartWatch(nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s)
+        self.watch = StreamWatch(nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s)
         self._tracer = tracer("strait.router")
 
     # ------------------------------------------------------------ pool choice
@@ -165,11 +170,12 @@ class Router:
     # ------------------------------------------------------------ the decision
 
     def decide(
-        self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
+        self, req: GenerateRequest, exclude: frozenset[str] = frozenset(), pool: str = ""
     ) -> Decision | Rejection:
-        """Pool and ranked workers for ``req`` (no I/O; timed as the routing overhead)."""
+        """Pool and ranked workers for ``req`` (no I/O; timed as the routing overhead).
+        ``pool``: only this pool (a migration continues on the same model and format)."""
         t0 = time.perf_counter()
-        choice = self.choose_pool(req)
+        choice = PoolChoice(pool, "migrated", allowed=[pool]) if pool else self.choose_pool(req)
         if choice is None:
             return Rejection("model_not_found", f"model {req.model!r} is not served here", "model")
         now = time.monotonic()
@@ -268,16 +274,36 @@ class Router:
         await msg.ack()
 
     async def place(
-        self, req: GenerateRequest, attempt: int = 1, exclude: frozenset[str] = frozenset()
+        self,
+        req: GenerateRequest,
+        attempt: int = 1,
+        exclude: frozenset[str] = frozenset(),
+        migration: Migration | None = None,
+        pool: str = "",
     ) -> RouteReason | None:
         """Decide, then offer ``req`` to the ranked workers until one accepts."""
-        decision = self.decide(req, exclude)
+        decision = self.decide(req, exclude, pool)
         if isinstance(decision, Rejection):
-            await self.watch.started(req.request_id)
+            if attempt > 1 and decision.code == "no_worker":
+                # Moving a lost worker's request: say what happened, not just what is missing.
+                lost = ", ".join(sorted(exclude))
+                decision.code = "worker_lost"
+                decision.message = f"worker {lost} was lost and {decision.message}"
             await self.reply_error(req, decision)
             return None
+        if migration is not None and decision.decode_workers:
+            await self.reply_error(
+                req,
+                Rejection(
+                    "worker_lost",
+                    f"the worker running the request in pool {decision.pool!r} was lost "
+                    "mid-stream; requests of disaggregated pools do not migrate",
+                    retry_after_s=self.cfg.retry_after_s,
+                ),
+            )
+            return None
         if attempt > 1:
-            decision.code = "replaced"
+            decision.code = "migrated" if migration is not None else "replaced"
             decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
         queued_s = max(time.time() - req.created_at, 0.0)
         if attempt == 1:
@@ -291,13 +317,14 @@ class Router:
             route = decision.route(p)
             if i > 0:
                 reserved = self.registry.on_assigned(route.worker_id)
-            if await self.offer(req, route, attempt, queued_s, decision.decode_workers):
+            if await self.offer(req, route, attempt, queued_s, decision.decode_workers, migration):
                 if watched:
-                    self.watch.assigned(req.request_id, route, attempt)
+                    self.watch.assigned(
+                        req.request_id, route, attempt, bool(decision.decode_workers)
+                    )
                 await self.record(req, route, decision.decide_s)
                 return route
             self.registry.on_refused(route.worker_id, reserved)
-        await self.watch.started(req.request_id)
         await self.reply_error(
             req,
             Rejection(
@@ -309,33 +336,69 @@ class Router:
         return None
 
     async def worker_lost(self, worker_id: str) -> None:
-        """``worker_id`` stopped beating: place its not-yet-started requests again."""
+        """``worker_id`` stopped beating: move each request it held to another worker."""
         for w in self.watch.on_worker_lost(worker_id):
-            if w.attempt >= self.cfg.max_attempts:
-                await self.watch.started(w.req.request_id)
-                await self.reply_error(
-                    w.req,
-                    Rejection(
-                        "worker_lost",
-                        f"worker {worker_id!r} was lost before the first token, "
-                        f"{w.attempt} attempts (router.max_attempts)",
-                        retry_after_s=self.cfg.retry_after_s,
-                    ),
-                )
-                continue
-            metrics.REPLACED.inc()
-            log.info(
-                "re-placing request of a lost worker",
-                extra=fields(
-                    request_id=w.req.request_id, worker_id=worker_id, attempt=w.attempt + 1
+            if w.disaggregated and w.streamed:
+                continue  # past its handoff: a decode worker holds it
+            await self.move(w, worker_id)
+
+    async def move(self, w: Watched, worker_id: str) -> None:
+        """Place ``w`` again: from scratch before its first token, else as a migration."""
+        rid = w.req.request_id
+        refusal = ""
+        if w.attempt >= self.cfg.max_attempts:
+            refusal = f"{w.attempt} attempts (router.max_attempts)"
+        elif w.streamed and w.req.sampling.n > 1:
+            refusal = "requests with n > 1 do not migrate"
+        if refusal:
+            when = "mid-stream" if w.streamed else "before the first token"
+            await self.reply_error(
+                w.req,
+                Rejection(
+                    "worker_lost",
+                    f"worker {worker_id!r} was lost {when}; {refusal}",
+                    retry_after_s=self.cfg.retry_after_s,
                 ),
             )
-            with self._tracer.start_as_current_span(
-                "router.replace", attributes={"strait.request_id": w.req.request_id}
-            ) as span:
-                route = await self.place(w.req, w.attempt + 1, frozenset(w.lost))
-                if route is not None:
-                    span.set_attributes(_span_attributes(route))
+            return
+        migration = None
+        if w.streamed:
+            migration = w.migration(worker_id)
+            marker = Migrated(
+                seq=w.last_seq + 1,
+                request_id=rid,
+                from_worker=worker_id,
+                attempt=w.attempt + 1,
+                num_tokens=len(w.tokens),
+            )
+            w.last_seq += 1
+            await self.nc.publish(self.stream_subject(w.req), encode(marker))
+            # A worker that was only stalled must not resume the stream it no longer owns.
+            cancel = CancelRequest(request_id=rid, reason="migrated", worker_id=worker_id)
+            await self.nc.publish(self.subjects.cancel(rid), encode(cancel))
+            metrics.MIGRATED.inc()
+        else:
+            metrics.REPLACED.inc()
+        log.info(
+            "migrating request of a lost worker" if migration else "re-placing request",
+            extra=fields(
+                request_id=rid,
+                worker_id=worker_id,
+                attempt=w.attempt + 1,
+                tokens=len(w.tokens) if migration else None,
+            ),
+        )
+        with self._tracer.start_span(
+            "router.migrate" if migration else "router.replace",
+            attributes={"strait.request_id": rid},
+        ) as span:
+            pool = w.route.pool if w.route is not None and migration else ""
+            route = await self.place(w.req, w.attempt + 1, frozenset(w.lost), migration, pool)
+            if route is not None:
+                span.set_attributes(_span_attributes(route))
+
+    def stream_subject(self, req: GenerateRequest) -> str:
+        return req.reply_subject or self.subjects.stream(req.request_id)
 
     async def offer(
         self,
@@ -344,6 +407,7 @@ class Router:
         attempt: int,
         queued_s: float,
         decode_workers: list[str] | None = None,
+        migration: Migration | None = None,
     ) -> bool:
         a = Assignment(
             request=req,
@@ -351,6 +415,7 @@ class Router:
             attempt=attempt,
             queued_s=queued_s,
             decode_workers=decode_workers or [],
+            migration=migration,
         )
         try:
             reply = await self.nc.request(
@@ -397,19 +462,20 @@ class Router:
         )
 
     async def reply_error(self, req: GenerateRequest, r: Rejection) -> None:
+        """End ``req``'s stream with a typed error (after whatever it already carried)."""
         metrics.REJECTED.labels(code=r.code).inc()
         log.info("rejected", extra=fields(request_id=req.request_id, code=r.code, error=r.message))
+        seq = self.watch.next_seq(req.request_id)
+        await self.watch.forget(req.request_id)
         err = ErrorMessage(
-            seq=1,
+            seq=seq,
             request_id=req.request_id,
             code=r.code,
             message=r.message,
             param=r.param,
             retry_after_s=r.retry_after_s,
         )
-        await self.nc.publish(
-            req.reply_subject or self.subjects.stream(req.request_id), encode(err)
-        )
+        await self.nc.publish(self.stream_subject(req), encode(err))
 
     async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
         metrics.REJECTED.labels(code=e.code).inc()

@@ -1,15 +1,17 @@
-"""Requests placed but not yet started, so a lost worker's requests can be placed again.
+"""Requests placed and not yet ended, so a lost worker's requests can move on.
 
-From its assignment until its first stream message, a request is *watched*: the router
-subscribes to the request's stream subject (before it offers the assignment, so nothing is
-missed) and forgets the request on the first message that is not the optional ``Routed`` echo
-(a token, ``Finished`` or an ``ErrorMessage``: the worker has started, or answered). When the
-registry expires the request's worker first, the router places the request again with
-``attempt + 1`` (see ``Router.worker_lost``). Workers ignore a duplicate assignment of a request
-id they already run, so a worker that was only slow does not run it twice.
+From its assignment until its stream ends, a request is *watched*: the router subscribes to the
+request's stream subject (before it offers the assignment, so nothing is missed) and keeps what
+a move needs — the last ``seq`` seen and choice 0's streamed tokens and text — until
+``Finished`` or an ``ErrorMessage``. When the registry expires the request's worker first,
+``Router.worker_lost`` places it again with ``attempt + 1``: from scratch when no token was
+streamed yet, otherwise as a migration (``Migrated`` on the stream, then the tokens so far on
+``Assignment.migration``). Workers ignore a duplicate assignment of a request id they already
+run, so a worker that was only slow does not run it twice.
 
 State is bounded: at most ``router.max_watched`` requests (past that, new requests are served
-but not watched, and a warning names the setting), each for at most ``router.watch_ttl_s``.
+but not watched, and a warning names the setting), each forgotten after ``router.watch_ttl_s``
+without a stream message.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from libs.log import fields
-from libs.protocol import GenerateRequest, Routed, RouteReason, Subjects, decode_stream
+from libs.protocol import (
+    ErrorMessage,
+    Finished,
+    GenerateRequest,
+    Migration,
+    RouteReason,
+    Subjects,
+    TokenDelta,
+    decode_stream,
+)
 from services.router import metrics
 
 log = logging.getLogger("strait.router")
@@ -35,13 +46,55 @@ log = logging.getLogger("strait.router")
 class Watched:
     req: GenerateRequest
     sub: Subscription
-    since: float  # time.monotonic() when first placed
+    seen: float  # time.monotonic() of the last stream message (or of the first placement)
     route: RouteReason | None = None
     attempt: int = 0
     lost: set[str] = field(default_factory=set)  # workers that died holding it
+    last_seq: int = 0  # highest seq seen on the stream (router's own Migrated included)
+    num_deltas: int = 0  # TokenDeltas seen, any choice
+    tokens: list[int] = field(default_factory=list)  # choice 0's streamed token ids, in order
+    text: list[str] = field(default_factory=list)  # choice 0's streamed text pieces
+    finished: bool = False  # choice 0's last delta was seen
+    # Placed on a prefill worker: once output streams, a decode worker (not tracked here) holds
+    # the request, so the prefill worker's loss no longer concerns it.
+    disaggregated: bool = False
+
+    @property
+    def streamed(self) -> bool:
+        """Output reached the client: placing from scratch would repeat it."""
+        return self.num_deltas > 0
+
+    def migration(self, from_worker: str) -> Migration:
+        """What the next worker needs; its first message follows the Migrated marker."""
+        return Migration(
+            from_worker=from_worker,
+            output_token_ids=list(self.tokens),
+            output_text="".join(self.text),
+            finished=self.finished,
+            next_seq=self.last_seq + 2,
+        )
+
+    def on_message(self, data: bytes) -> bool:
+        """Record one stream message; True when the stream has ended."""
+        try:
+            msg = decode_stream(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if msg.seq <= self.last_seq:
+            return False  # a duplicate (a presumed-lost worker that came back)
+        self.last_seq = msg.seq
+        self.seen = time.monotonic()
+        if isinstance(msg, TokenDelta):
+            self.num_deltas += 1
+            if msg.index == 0:
+                self.tokens += msg.token_ids
+                self.text.append(msg.text)
+                self.finished = msg.finish_reason is not None
+            return False
+        return isinstance(msg, Finished | ErrorMessage)
 
 
-class StartWatch:
+class StreamWatch:
     def __init__(self, nc: NATS, subjects: Subjects, max_watched: int, ttl_s: float) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -58,35 +111,37 @@ class StartWatch:
         if len(self.watched) >= self.max_watched:
             metrics.UNWATCHED.inc()
             log.warning(
-                "too many requests awaiting their first token; not re-placeable "
+                "too many requests watched; this one cannot move if its worker is lost "
                 "(raise router.max_watched)",
                 extra=fields(request_id=rid, max_watched=self.max_watched),
             )
             return False
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                first = decode_stream(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return
-            if not isinstance(first, Routed) and rid in self.watched:
+            w = self.watched.get(rid)
+            if w is not None and w.on_message(msg.data):
                 # NOTE: not from inside this callback: nats-py cancels a subscription's callback
                 # task when it unsubscribes, which would cut the UNSUB itself short.
-                t = asyncio.create_task(self.started(rid))
+                t = asyncio.create_task(self.forget(rid))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
 
         subject = req.reply_subject or self.subjects.stream(rid)
         sub = await self.nc.subscribe(subject, cb=on_msg)
-        self.watched[rid] = Watched(req=req, sub=sub, since=time.monotonic())
+        self.watched[rid] = Watched(req=req, sub=sub, seen=time.monotonic())
         return True
 
-    def assigned(self, rid: str, route: RouteReason, attempt: int) -> None:
+    def assigned(self, rid: str, route: RouteReason, attempt: int, disaggregated: bool) -> None:
         w = self.watched.get(rid)
         if w is not None:
-            w.route, w.attempt = route, attempt
+            w.route, w.attempt, w.disaggregated = route, attempt, disaggregated
 
-    async def started(self, rid: str) -> None:
+    def next_seq(self, rid: str) -> int:
+        """The seq a message the router adds to ``rid``'s stream must carry."""
+        w = self.watched.get(rid)
+        return w.last_seq + 1 if w is not None else 1
+
+    async def forget(self, rid: str) -> None:
         w = self.watched.pop(rid, None)
         if w is not None:
             await _unsubscribe(w.sub)
@@ -100,12 +155,12 @@ class StartWatch:
 
     async def sweep(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        for rid in [r for r, w in self.watched.items() if now - w.since > self.ttl_s]:
-            await self.started(rid)
+        for rid in [r for r, w in self.watched.items() if now - w.seen > self.ttl_s]:
+            await self.forget(rid)
 
     async def close(self) -> None:
         for rid in list(self.watched):
-            await self.started(rid)
+            await self.forget(rid)
         if self._tasks:
             await asyncio.wait(self._tasks)
 

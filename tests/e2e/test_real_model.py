@@ -12,32 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.settings import Settings
+from tests.e2e.conftest import REAL_FLEET
 from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REAL_FLEET = """
-[gateway]
-auth_enabled = false
-[engine]
-kv_cache_bytes = 134217728
-max_num_seqs = 16
-[[pools]]
-name = "default"
-model = "smollm2-135m-instruct"
-backend = "engine"
-"""
 
 QUESTIONS = ["Name three rivers.", "What is 2 + 2?", "Say hello in French.", "Why is the sky blue?"]
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from libs.models import prepare_model
-
-    return prepare_model("smollm2-135m-instruct", Settings(), progress=False)
 
 
 def reference_texts(model_dir: Path) -> list[str]:

@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from libs.settings import Settings
 from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -81,13 +80,6 @@ class City(BaseModel):
     name: str = Field(max_length=32)
     country: Literal["France", "Peru", "Japan", "Norway"]
     population_millions: int = Field(ge=0, le=50)
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from libs.models import prepare_model
-
-    return prepare_model("smollm2-135m-instruct", Settings(), progress=False)
 
 
 def fleet(tmp: Path, nats_url: str, model_dir: Path, mode: str) -> ProcessFleet:

@@ -77,12 +77,16 @@ async def test_no_capacity_when_the_pool_queue_is_full(fleet_settings: Settings)
 async def test_worker_lost_when_the_worker_shuts_down_mid_stream(
     fleet: InProcessFleet, client: StraitClient
 ) -> None:
+    """The worker drains (as on SIGTERM) past its deadline and stops beating; with no other
+    worker to move the request to, the router ends the stream with worker_lost."""
     w = fleet.workers[0]
     w.backend.settings.per_token_s = 0.05  # type: ignore[attr-defined]
     async with client.generate("long", max_tokens=500) as gen:
         with pytest.raises(WorkerLost):
             async for _ in gen:
-                await w.worker.drain(0.01)
+                if not w.beats.done():
+                    await w.worker.drain(0.01)
+                    w.beats.cancel()
 
 
 async def test_every_wire_error_code_maps_to_its_class(fleet_settings: Settings) -> None:

@@ -38,7 +38,6 @@ from libs.nats_util import stream_configs
 from libs.settings import CacheSettings, NatsSettings, Settings
 from services.cache.main import DRAIN_TIMEOUT_S as CACHE_DRAIN_TIMEOUT_S
 from services.cli import SERVICES, _parser
-from services.decode.main import DRAIN_TIMEOUT_S
 from services.router.main import ROUTER_DURABLE
 
 pytestmark = pytest.mark.unit
@@ -133,9 +132,12 @@ def listen_port(role: str, s: Settings) -> int | None:
 
 
 # Seconds each long-running role drains for on SIGTERM (its pods' grace period must exceed it).
+# A worker drains for worker.drain_timeout_s; then its unfinished requests migrate once the
+# router's TTL passes without its beats.
+_WORKER_DRAIN_S = Settings().worker.drain_timeout_s + Settings().router.worker_ttl_s
 DRAIN_S = {
-    "decode": DRAIN_TIMEOUT_S,
-    "prefill": DRAIN_TIMEOUT_S,  # the prefill main drains through run_worker
+    "decode": _WORKER_DRAIN_S,
+    "prefill": _WORKER_DRAIN_S,  # the prefill main drains through run_worker
     "cache": CACHE_DRAIN_TIMEOUT_S,
 }
 

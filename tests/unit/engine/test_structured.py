@@ -182,6 +182,22 @@ def test_a_resumed_first_token_advances_the_grammar(tok) -> None:  # type: ignor
     assert tok.decode(out) in CHOICES
 
 
+def test_migrated_tokens_replay_through_the_grammar(tok) -> None:  # type: ignore[no-untyped-def]
+    """A migration: the first tokens of a JSON answer were streamed by a lost worker; a fresh
+    engine replays them through a new matcher and the rest keeps to the schema."""
+    prompt = prompts(tok, 1, seed=4)[0]
+    sp = SamplingParams(max_tokens=60, temperature=0.0)
+    whole = make_engine(tok)
+    grammar = whole.grammars.compile(StructuredOutput(json=SCHEMA), None)  # type: ignore[union-attr]
+    ref = run_engine(whole, [Submission("a", prompt, sp, grammar=grammar)])[("a", 0)]
+    assert len(ref.token_ids) > 4
+    moved = make_engine(tok)
+    moved.add_request("a", prompt, sp, resume=Resume(replayed=ref.token_ids[:4]), grammar=grammar)
+    rest = run_engine(moved, [])[("a", 0)]
+    assert ref.token_ids[:4] + rest.token_ids == ref.token_ids
+    assert rest.finish_reason == ref.finish_reason
+
+
 def test_logit_bias_forces_and_forbids_tokens(tok) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(tok)
     prompt = prompts(tok, 1, seed=4)[0]

@@ -1,0 +1,221 @@
+"""Migration on a real nats-server with FAKE-engine workers: a worker lost mid-stream, and the
+stream goes on from another worker — no gap, no repeated token, seq counting on, usage counted
+once — or ends with a typed error within a few beat intervals when it cannot move."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from libs.fake_engine import FakeBackend
+from libs.nats_util import StreamReader
+from libs.protocol import (
+    ErrorMessage,
+    Finished,
+    GenerateRequest,
+    Migrated,
+    SamplingParams,
+    StreamMessage,
+    TokenDelta,
+    encode,
+)
+from libs.settings import Settings
+from services.router.router import Router
+from tests.integration.router.conftest import Client, poll
+from tests.support.fleet import InProcessFleet, WorkerHandle
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "tell me about the rivers and the bridges"
+
+
+def req(rid: str, max_tokens: int = 60, n: int = 1, seed: int | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True),
+    )
+
+
+def live(router: Router) -> set[str]:
+    return {w.worker_id for w in router.registry.live("default")}
+
+
+async def reference_text(settings: Settings, r: GenerateRequest) -> str:
+    """What an uninterrupted fake worker streams for ``r`` (choice 0)."""
+    backend = FakeBackend(settings.fake_engine.model_copy(update={"per_token_s": 0.0}))
+    prompt = backend.prepare(
+        prompt=r.prompt, prompt_token_ids=None, messages=None, sampling=r.sampling
+    )
+    text = ""
+    async for c in backend.generate(r.request_id, prompt, r.sampling, "interactive"):
+        if c.index == 0:
+            text += c.text
+    return text
+
+
+async def read_until_kill(
+    client: Client,
+    r: GenerateRequest,
+    kill_after_deltas: int,
+    holder: dict[str, WorkerHandle],
+    timeout: float = 15.0,
+) -> tuple[list[StreamMessage], list[float], float]:
+    """Publish ``r``, read its stream; after ``kill_after_deltas`` deltas kill the worker that
+    holds it. Returns the messages, their arrival times and the kill time (monotonic)."""
+    got: list[StreamMessage] = []
+    at: list[float] = []
+    killed_at = 0.0
+    async with StreamReader(
+        client.nc, client.subjects.stream(r.request_id), timeout, timeout
+    ) as reader:
+        await client.js.publish(client.subjects.requests, encode(r))
+        async for m in reader.messages():
+            got.append(m)
+            at.append(time.monotonic())
+            deltas = sum(isinstance(x, TokenDelta) for x in got)
+            if not killed_at and deltas == kill_after_deltas:
+                victim = next(h for h in holder.values() if r.request_id in h.worker.tasks)
+                await victim.kill()
+                killed_at = time.monotonic()
+    return got, at, killed_at
+
+
+async def test_a_worker_lost_mid_stream_the_stream_goes_on_from_another(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m1", max_tokens=60)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {w: await fleet.add_worker(w) for w in ("w1", "w2")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1", "w2"})
+        got, at, killed_at = await read_until_kill(client, r, 10, workers)
+        router = fleet.routers[0]
+        await poll(lambda: router.watch.watched == {}, what="the watch to end")
+
+    deltas = [m for m in got if isinstance(m, TokenDelta)]
+    markers = [m for m in got if isinstance(m, Migrated)]
+    end = got[-1]
+    assert isinstance(end, Finished), got[-1]
+    assert [m.seq for m in got] == list(range(1, len(got) + 1))  # no gap, no duplicate
+    assert len(markers) == 1 and markers[0].num_tokens == 10 and markers[0].attempt == 2
+    assert "".join(d.text for d in deltas) == await reference_text(router_settings, r)
+    assert sum(len(d.token_ids) for d in deltas) == 60
+    assert end.usage.completion_tokens == 60  # the lost worker's tokens counted once
+    survivor = end.worker_id
+    assert survivor != markers[0].from_worker
+    # The first token after the kill: within a beat TTL, a sweep and a placement (≤ 2 s).
+    after = next(
+        t for m, t in zip(got, at, strict=True) if isinstance(m, TokenDelta) and t > killed_at
+    )
+    assert after - killed_at < 2.0
+    decisions = client.decision("m1")
+    await poll(lambda: len(client.decision("m1")) == 2, what="the second decision")
+    decisions = client.decision("m1")
+    assert decisions[1].route.code == "migrated"
+    assert decisions[1].route.worker_id == survivor
+
+
+async def test_seeded_sampling_continues_by_position(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m2", max_tokens=30, seed=1234)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {w: await fleet.add_worker(w) for w in ("w1", "w2")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1", "w2"})
+        got, _, _ = await read_until_kill(client, r, 5, workers)
+    text = "".join(m.text for m in got if isinstance(m, TokenDelta))
+    assert isinstance(got[-1], Finished)
+    assert text == await reference_text(router_settings, r)
+
+
+async def test_no_worker_left_is_a_typed_error_within_a_ttl(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m3", max_tokens=200)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {"only": await fleet.add_worker("only")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"only"})
+        got, at, killed_at = await read_until_kill(client, r, 3, workers)
+    end = got[-1]
+    assert isinstance(end, ErrorMessage) and end.code == "worker_lost", end
+    assert "no live worker" in end.message
+    assert [m.seq for m in got] == list(range(1, len(got) + 1))
+    ttl = router_settings.router.worker_ttl_s
+    assert at[-1] - killed_at < ttl + 1.0  # not the client's idle timeout
+
+
+async def test_n_greater_than_one_mid_stream_ends_with_worker_lost(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m4", max_tokens=100, n=2)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {w: await fleet.add_worker(w) for w in ("w1", "w2")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1", "w2"})
+        got, _, _ = await read_until_kill(client, r, 6, workers)
+    end = got[-1]
+    assert isinstance(end, ErrorMessage) and end.code == "worker_lost", end
+    assert "n > 1" in end.message
+    assert [m.seq for m in got] == list(range(1, len(got) + 1))
+
+
+async def test_a_stalled_worker_that_comes_back_does_not_resume_the_stream(
+    router_settings: Settings, client: Client
+) -> None:
+    """A worker that stops beating (a stalled event loop, a SIGSTOP) is presumed lost: past the
+    router's TTL it stops writing to its streams itself (and the router's targeted cancel stops
+    it too), and the request's new worker keeps the stream."""
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m5", max_tokens=60)
+    async with InProcessFleet(router_settings) as fleet:
+        w1 = await fleet.add_worker("w1")
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1"})
+        async with StreamReader(client.nc, client.subjects.stream("m5"), 10, 10) as reader:
+            await client.js.publish(client.subjects.requests, encode(r))
+            messages = reader.messages()
+            first = await anext(messages)
+            assert isinstance(first, TokenDelta)
+            await fleet.add_worker("w2")
+            await poll(lambda: "w2" in live(fleet.routers[0]))
+            w1.beats.cancel()  # silent, but still connected and streaming
+            rest = [m async for m in messages]
+        await poll(lambda: "m5" not in w1.worker.tasks, what="the stalled worker to drop it")
+    end = rest[-1]
+    assert isinstance(end, Finished) and end.worker_id == "w2", end
+    text = "".join(m.text for m in [first, *rest] if isinstance(m, TokenDelta))
+    assert text == await reference_text(router_settings, r)
+
+
+@pytest.mark.parametrize("max_tokens", [10, 80])
+async def test_a_draining_worker_finishes_or_hands_over(
+    router_settings: Settings, client: Client, max_tokens: int
+) -> None:
+    """SIGTERM's drain: no new work; what finishes within the deadline finishes here, the rest
+    migrates once the beats stop (what ``services.decode.main.run_worker`` does)."""
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req(f"d{max_tokens}", max_tokens=max_tokens)
+    async with InProcessFleet(router_settings) as fleet:
+        w1 = await fleet.add_worker("w1")
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1"})
+        async with StreamReader(client.nc, client.subjects.stream(r.request_id), 10, 10) as rd:
+            await client.js.publish(client.subjects.requests, encode(r))
+            messages = rd.messages()
+            got = [await anext(messages)]
+            await fleet.add_worker("w2")
+            await poll(lambda: "w2" in live(fleet.routers[0]))
+            await w1.worker.drain(0.5)
+            w1.beats.cancel()
+            assert w1.worker.tasks == {}
+            got += [m async for m in messages]
+    end = got[-1]
+    moved = [m for m in got if isinstance(m, Migrated)]
+    assert isinstance(end, Finished), end
+    assert end.worker_id == ("w1" if max_tokens == 10 else "w2")
+    assert len(moved) == (0 if max_tokens == 10 else 1)
+    text = "".join(m.text for m in got if isinstance(m, TokenDelta))
+    assert text == await reference_text(router_settings, r)
+    assert end.usage.completion_tokens == max_tokens
