@@ -461,6 +461,16 @@ class HandoffResult(Struct):
     reason: str = ""  # failed: "unknown_transfer" | "missing_chunks" | "bad_blocks: …"
 
 
+class StreamOwner(Struct, kw_only=True):
+    """Decode worker → ``Subjects.stream_owner`` (core NATS) when it admits a handoff: it writes
+    the request's stream from now on. The router's watch follows it, so that the decode
+    worker's loss moves the request (a migration through a prefill worker)."""
+
+    v: int = PROTOCOL_VERSION
+    request_id: str
+    worker_id: str
+
+
 class HandoffAbort(Struct, kw_only=True):
     """Prefill → ``Subjects.handoff_abort(decode_worker_id)``: forget this transfer."""
 
@@ -685,6 +695,10 @@ class Subjects:
         return f"{self.prefix}.handoff.{worker_id}.kv.*"
 
     @property
+    def stream_owner(self) -> str:
+        return f"{self.prefix}.handoff.owner"
+
+    @property
     def deadletter(self) -> str:
         return f"{self.prefix}.deadletter"
 
@@ -806,6 +820,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "HandoffCommit": HandoffCommit,
     "HandoffResult": HandoffResult,
     "HandoffAbort": HandoffAbort,
+    "StreamOwner": StreamOwner,
     "WorkerBeat": WorkerBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,

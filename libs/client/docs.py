@@ -49,6 +49,7 @@ from libs.protocol import (
     Routed,
     RouteDecision,
     SamplingParams,
+    StreamOwner,
     Subjects,
     TokenDelta,
     UsageEvent,
@@ -180,6 +181,14 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "that decode worker",
         False,
     ),
+    "stream_owner": SubjectDoc(
+        (),
+        "StreamOwner",
+        "core NATS",
+        "decode workers (on admitting a handoff)",
+        "routers (so a decode worker's loss migrates the request)",
+        False,
+    ),
     "cache_lookup": SubjectDoc(
         (),
         "CacheLookup → CacheLookupReply / ErrorMessage (request/reply)",
@@ -241,7 +250,7 @@ MESSAGE_TABLES: list[type[Any]] = [
 
 # The KV handoff's messages (fleet-internal; docs/disaggregation.md tells the whole story).
 HANDOFF_TABLES: list[type[Any]] = [
-    HandoffOffer, HandoffReply, HandoffCommit, HandoffResult, HandoffAbort,
+    HandoffOffer, HandoffReply, HandoffCommit, HandoffResult, HandoffAbort, StreamOwner,
 ]  # fmt: skip
 
 # The prefix-cache service's messages (fleet-internal; docs/cache.md tells the whole story).
@@ -321,7 +330,7 @@ def _default(f: mi.Field) -> str:
 def _message_table(cls: type[Any]) -> list[str]:
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
-    doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
     head = [f"#### {cls.__name__}", ""]
     if info.tag_field is not None:
         head.append(f'Tagged: `"{info.tag_field}": "{info.tag}"`. {doc}')

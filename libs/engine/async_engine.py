@@ -313,16 +313,27 @@ class AsyncEngineBackend:
             yield item.chunk
 
     async def prefill(
-        self, request_id: str, prompt: PreparedPrompt, sampling: SamplingParams, priority: Priority
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        sampling: SamplingParams,
+        priority: Priority,
+        replayed: list[int] | None = None,
     ) -> PrefillResult:
         """Compute the prompt and sample the first token only (the prefill worker's half of a
-        disaggregated request); the prompt's blocks stay in this engine's prefix cache."""
-        first = msgspec.structs.replace(sampling, max_tokens=1)
+        disaggregated request); the prompt's blocks stay in this engine's prefix cache.
+        ``replayed``: a migrated request's output streamed elsewhere, computed (and exported)
+        with the prompt and replayed before the next token is sampled."""
+        replayed = replayed or []
+        first = msgspec.structs.replace(
+            sampling, max_tokens=min(len(replayed) + 1, sampling.max_tokens)
+        )
         add = _Add(
             request_id,
             list(prompt.token_ids),
             first,
             priority,
+            resume=Resume(replayed=replayed) if replayed else None,
             grammar=prompt.grammar,
             matchers=list(prompt.matchers[:1]),
             export=True,
@@ -451,7 +462,8 @@ class AsyncEngineBackend:
                 self._deliver_error(cmd.request_id, e)
                 continue
             if cmd.export:
-                self._exports[cmd.request_id] = cmd.token_ids
+                replayed = cmd.resume.replayed if cmd.resume is not None else []
+                self._exports[cmd.request_id] = cmd.token_ids + replayed
         if changed:
             self._update_load()
 

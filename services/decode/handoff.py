@@ -41,6 +41,7 @@ from libs.protocol import (
     HandoffReply,
     HandoffResult,
     ProtocolError,
+    StreamOwner,
     decode,
     encode,
 )
@@ -205,6 +206,8 @@ class HandoffReceiver:
         task = asyncio.create_task(self.worker.serve(offer.assignment, parent, offer))
         self.worker.tasks[rid] = task
         task.add_done_callback(lambda _: self.started.pop(rid, None))
+        owner = StreamOwner(request_id=rid, worker_id=self.worker.worker_id)
+        await self.worker.nc.publish(self.worker.subjects.stream_owner, encode(owner))
         log.info(
             "handoff admitted",
             extra=fields(

@@ -108,7 +108,7 @@ class Worker:
                 msg, AssignmentAck(accepted=False, reason="draining" if self.draining else "full")
             )
             return
-        if a.migration is not None and self.role != "aggregated":
+        if a.migration is not None and self.role == "decode":
             await self._ack(msg, AssignmentAck(accepted=False, reason="migration_unsupported"))
             return
         if rid in self.tasks:  # duplicate delivery of an assignment we already run
@@ -264,10 +264,12 @@ class Worker:
         # A handed-off request is in its decode phase from the start.
         phase = self._tracer.start_span("decode" if handoff else "prefill", context=phase_ctx)
         resume = None
+        replayed = mig.output_token_ids if mig is not None else []
         if handoff is not None and handoff.first_token_id is not None:
-            resume = Resume(handoff.first_token_id, handoff.first_logprobs)
+            resume = Resume(handoff.first_token_id, handoff.first_logprobs, replayed)
         elif mig is not None:
-            resume = Resume(replayed=mig.output_token_ids)
+            resume = Resume(replayed=replayed)
+        if mig is not None:
             span.set_attribute("strait.migrated_from", mig.from_worker)
             span.set_attribute("strait.replayed_tokens", len(mig.output_token_ids))
         try:
@@ -292,7 +294,7 @@ class Worker:
                 usage.completion_tokens = len(mig.output_token_ids)
                 if calls is not None:
                     calls.texts[0] = mig.output_text
-            if mig is not None and mig.finished:
+            if mig is not None and mig.finished and handoff is None:
                 # Every delta was streamed; only the stream's end was lost with the worker.
                 await self.send_finished(out, a, usage, None, time.perf_counter() - started)
                 return
@@ -305,13 +307,13 @@ class Worker:
                     metrics.TTFT.observe(ttft)
                     if handoff is None:
                         # A migrated request's replayed output is recomputed like prompt.
-                        replayed = len(mig.output_token_ids) if mig is not None else 0
-                        self.count_prompt(usage.prompt_tokens + replayed, chunk.num_cached_tokens)
+                        computed = usage.prompt_tokens + len(replayed)
+                        self.count_prompt(computed, chunk.num_cached_tokens)
                         phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
                         phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
                         phase.set_attribute(
                             "strait.computed_tokens",
-                            usage.prompt_tokens - chunk.num_cached_tokens,
+                            computed - chunk.num_cached_tokens,
                         )
                         phase.end()
                         phase = self._tracer.start_span("decode", context=phase_ctx)
@@ -455,8 +457,9 @@ class Worker:
 
     def migrates_on_drain(self) -> bool:
         """Requests still running at the drain deadline move to another worker (the router
-        migrates them once this worker's beats stop) rather than end with ``worker_lost``."""
-        return self.role == "aggregated" and self.settings.router.replace_lost
+        places them again, or migrates them, once this worker's beats stop) rather than end
+        with ``worker_lost``."""
+        return self.settings.router.replace_lost
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking work (beats say draining), let running requests finish for up to

@@ -12,6 +12,10 @@ does (``Worker.on_assignment``: same acceptance, duplicates, cancel, beats with 
 The stream belongs to this worker until a decode worker commits: the optional ``Routed`` echo,
 and, when the request ends here or every handoff fails, its tokens or a typed error. After a
 commit the decode worker writes everything else (from ``HandoffOffer.next_seq``).
+
+A migrated request (``Assignment.migration``: its decode worker was lost mid-stream) is computed
+with the output already streamed (replayed, not resent), and its next token is handed off with
+it; the decode worker reads the replayed tokens from the offer's assignment.
 """
 
 from __future__ import annotations
@@ -89,14 +93,23 @@ class PrefillWorker(Worker):
     ) -> None:
         req = a.request
         rid = req.request_id
-        out = StreamWriter(self.nc, req.reply_subject or self.subjects.stream(rid), rid)
+        # A migrated request: another worker streamed ``replayed``; this stream goes on after.
+        mig = a.migration
+        replayed = mig.output_token_ids if mig is not None else []
+        out = StreamWriter(
+            self.nc,
+            req.reply_subject or self.subjects.stream(rid),
+            rid,
+            mig.next_seq if mig is not None else 1,
+            owner=self.owns_streams,
+        )
         started = time.perf_counter()
         status, error_code = "ok", ""
         usage = Usage()
         decode_worker = ""
         span = self.begin("prefill", a, parent)
         try:
-            if req.want_route:
+            if req.want_route and mig is None:
                 await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
             prompt = await asyncio.to_thread(
                 functools.partial(
@@ -109,17 +122,23 @@ class PrefillWorker(Worker):
                 )
             )
             usage.prompt_tokens = len(prompt.token_ids)
+            usage.completion_tokens = len(replayed)  # counted once, here or by the decode side
+            if mig is not None and mig.finished:
+                # Every delta was streamed; only the stream's end was lost with the worker.
+                await self.send_finished(out, a, usage, None, time.perf_counter() - started)
+                return
             from_service = await self._fetch_cached(prompt)
             # n > 1: compute the prompt only; the decode worker samples every choice's first
             # token from the same logits, as an aggregated worker would.
             many = req.sampling.n > 1
             one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
-            res = await self.engine.prefill(rid, prompt, one, req.priority)
+            res = await self.engine.prefill(rid, prompt, one, req.priority, replayed)
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
             metrics.TTFT.observe(prefill_s)
-            usage.cached_tokens = chunk.num_cached_tokens  # local and imported hits
-            self.count_prompt(usage.prompt_tokens, usage.cached_tokens)
+            # Local and imported hits (a migration's replayed output is computed like prompt).
+            usage.cached_tokens = min(chunk.num_cached_tokens, usage.prompt_tokens)
+            self.count_prompt(usage.prompt_tokens + len(replayed), chunk.num_cached_tokens)
             span.set_attributes(
                 {
                     "strait.prompt_tokens": usage.prompt_tokens,
@@ -130,8 +149,10 @@ class PrefillWorker(Worker):
                 }
             )
             self._store_later(res)
-            if not many and (chunk.finish_reason == "stop" or req.sampling.max_tokens == 1):
-                usage.completion_tokens = len(chunk.token_ids)
+            if not many and (
+                chunk.finish_reason == "stop" or req.sampling.max_tokens <= len(replayed) + 1
+            ):
+                usage.completion_tokens += len(chunk.token_ids)
                 await self._finish_here(out, a, res, usage, prefill_s, started)
                 return
             if not a.decode_workers:
@@ -167,7 +188,12 @@ class PrefillWorker(Worker):
         started: float,
     ) -> None:
         tools = ToolSpec.of(a.request)
-        calls = ToolCallCollector(tools, 1).add(res.chunk) if tools and tools.parsed else None
+        calls = None
+        if tools and tools.parsed:
+            collector = ToolCallCollector(tools, 1)
+            if a.migration is not None:
+                collector.texts[0] = a.migration.output_text
+            calls = collector.add(res.chunk)
         await self.send_chunk(out, res.chunk, calls)
         await self.send_finished(out, a, usage, prefill_s, time.perf_counter() - started)
 

@@ -24,7 +24,7 @@ from nats.js.errors import FetchTimeoutError
 
 from libs.log import fields
 from libs.nats_util import connect, ensure_consumer, provision, work_queue_consumer
-from libs.protocol import KvEvent, ProtocolError, Subjects, WorkerBeat, decode
+from libs.protocol import KvEvent, ProtocolError, StreamOwner, Subjects, WorkerBeat, decode
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
@@ -67,7 +67,16 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         except ProtocolError as e:
             log.warning("bad kv event", extra=fields(subject=msg.subject, error=str(e)))
 
+    async def on_owner(msg: Msg) -> None:
+        try:
+            o = decode(msg.data, StreamOwner)
+        except ProtocolError as e:
+            log.warning("bad stream owner", extra=fields(subject=msg.subject, error=str(e)))
+            return
+        router.watch.owner(o.request_id, o.worker_id)
+
     await nc.subscribe(subjects.beats_all, cb=on_beat)
+    await nc.subscribe(subjects.stream_owner, cb=on_owner)
     await nc.subscribe(subjects.kv_events_all, cb=on_kv)
     psub = await js.pull_subscribe(
         subjects.requests, durable=ROUTER_DURABLE, stream=s.nats.requests_stream

@@ -291,17 +291,6 @@ class Router:
                 decision.message = f"worker {lost} was lost and {decision.message}"
             await self.reply_error(req, decision)
             return None
-        if migration is not None and decision.decode_workers:
-            await self.reply_error(
-                req,
-                Rejection(
-                    "worker_lost",
-                    f"the worker running the request in pool {decision.pool!r} was lost "
-                    "mid-stream; requests of disaggregated pools do not migrate",
-                    retry_after_s=self.cfg.retry_after_s,
-                ),
-            )
-            return None
         if attempt > 1:
             decision.code = "migrated" if migration is not None else "replaced"
             decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
@@ -338,8 +327,8 @@ class Router:
     async def worker_lost(self, worker_id: str) -> None:
         """``worker_id`` stopped beating: move each request it held to another worker."""
         for w in self.watch.on_worker_lost(worker_id):
-            if w.disaggregated and w.streamed:
-                continue  # past its handoff: a decode worker holds it
+            if self.watch.streamed_unannounced(w):
+                continue
             await self.move(w, worker_id)
 
     async def move(self, w: Watched, worker_id: str) -> None:

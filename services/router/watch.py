@@ -7,7 +7,9 @@ a move needs — the last ``seq`` seen and choice 0's streamed tokens and text �
 ``Router.worker_lost`` places it again with ``attempt + 1``: from scratch when no token was
 streamed yet, otherwise as a migration (``Migrated`` on the stream, then the tokens so far on
 ``Assignment.migration``). Workers ignore a duplicate assignment of a request id they already
-run, so a worker that was only slow does not run it twice.
+run, so a worker that was only slow does not run it twice. In a disaggregated pool the decode
+worker that admits the handoff announces itself (``StreamOwner``); from then on its loss, not
+the prefill worker's, moves the request (through a prefill worker again).
 
 State is bounded: at most ``router.max_watched`` requests (past that, new requests are served
 but not watched, and a warning names the setting), each forgotten after ``router.watch_ttl_s``
@@ -55,9 +57,11 @@ class Watched:
     tokens: list[int] = field(default_factory=list)  # choice 0's streamed token ids, in order
     text: list[str] = field(default_factory=list)  # choice 0's streamed text pieces
     finished: bool = False  # choice 0's last delta was seen
-    # Placed on a prefill worker: once output streams, a decode worker (not tracked here) holds
-    # the request, so the prefill worker's loss no longer concerns it.
+    # Placed on a prefill worker. Its loss moves the request only until a decode worker
+    # announces it holds the request (StreamOwner → ``handed_off``, ``route`` names it).
     disaggregated: bool = False
+    handed_off: bool = False
+    deltas_at_placement: int = 0  # num_deltas when the current placement was made
 
     @property
     def streamed(self) -> bool:
@@ -135,6 +139,20 @@ class StreamWatch:
         w = self.watched.get(rid)
         if w is not None:
             w.route, w.attempt, w.disaggregated = route, attempt, disaggregated
+            w.handed_off, w.deltas_at_placement = False, w.num_deltas
+
+    def streamed_unannounced(self, w: Watched) -> bool:
+        """A disaggregated request that streams since its placement, from a decode worker not
+        yet announced: its prefill worker's loss does not concern it."""
+        return w.disaggregated and not w.handed_off and w.num_deltas > w.deltas_at_placement
+
+    def owner(self, rid: str, worker_id: str) -> None:
+        """A decode worker admitted ``rid``'s handoff: its loss, not the prefill worker's, now
+        moves the request."""
+        w = self.watched.get(rid)
+        if w is not None and w.route is not None:
+            w.route = msgspec.structs.replace(w.route, worker_id=worker_id)
+            w.handed_off = True
 
     def next_seq(self, rid: str) -> int:
         """The seq a message the router adds to ``rid``'s stream must carry."""

