@@ -461,6 +461,16 @@ class HandoffResult(Struct):
     reason: str = ""  # failed: "unknown_transfer" | "missing_chunks" | "bad_blocks: …"
 
 
+class DrainRequest(Struct, kw_only=True):
+    """Operator → ``Subjects.drain(worker_id)`` (core NATS; ``strait drain``): the worker does
+    what SIGTERM makes it do — takes no new work, lets running requests finish for
+    ``worker.drain_timeout_s``, hands the rest to the router to migrate, and exits."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    reason: str = "operator"
+
+
 class StreamOwner(Struct, kw_only=True):
     """Decode worker → ``Subjects.stream_owner`` (core NATS) when it admits a handoff: it writes
     the request's stream from now on. The router's watch follows it, so that the decode
@@ -694,6 +704,9 @@ class Subjects:
     def handoff_kv_all(self, worker_id: str) -> str:
         return f"{self.prefix}.handoff.{worker_id}.kv.*"
 
+    def drain(self, worker_id: str) -> str:
+        return f"{self.prefix}.admin.drain.{worker_id}"
+
     @property
     def stream_owner(self) -> str:
         return f"{self.prefix}.handoff.owner"
@@ -821,6 +834,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "HandoffResult": HandoffResult,
     "HandoffAbort": HandoffAbort,
     "StreamOwner": StreamOwner,
+    "DrainRequest": DrainRequest,
     "WorkerBeat": WorkerBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,

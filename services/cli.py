@@ -6,6 +6,7 @@ strait gateway|router|prefill|decode|cache
 strait keys create|list|revoke
 strait models prepare|convert|list
 strait bench serve|engine|quality|structured
+strait drain WORKER_ID       drain one worker over NATS (as SIGTERM does), then it exits
 strait schemas               write the wire protocol's JSON schemas to docs/schemas/
 """
 
@@ -17,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from libs.settings import get_settings
+from libs.settings import Settings, get_settings
 
 SERVICES = ("gateway", "router", "prefill", "decode", "cache")
 
@@ -63,6 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("which", choices=["serve", "engine", "quality", "structured"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
+
+    dr = sub.add_parser(
+        "drain",
+        help="drain a worker over NATS (as SIGTERM does): no new work, running requests "
+        "finish or migrate, then it exits (`strait up` starts it again)",
+    )
+    dr.add_argument("worker_id")
+    dr.add_argument("--reason", default="operator")
 
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
     sc.add_argument("--out", default="docs/schemas")
@@ -123,6 +132,31 @@ def _schemas(out: str) -> int:
     return 0
 
 
+def _drain(settings: Settings, worker_id: str, reason: str) -> int:
+    """Publish a DrainRequest to one worker and wait for its acknowledgement."""
+    import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from libs.protocol import DrainRequest, Subjects, encode
+
+    async def run() -> int:
+        nc = await nats.connect(settings.nats.url)
+        try:
+            msg = DrainRequest(worker_id=worker_id, reason=reason)
+            subject = Subjects(settings.nats.subject_prefix).drain(worker_id)
+            await nc.request(subject, encode(msg), timeout=settings.router.assign_timeout_s)
+        except (NoRespondersError, NatsTimeout):
+            print(f"no worker {worker_id!r} answered", file=sys.stderr)
+            return 1
+        finally:
+            await nc.close()
+        print(f"{worker_id}: draining (worker.drain_timeout_s = {settings.worker.drain_timeout_s})")
+        return 0
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = get_settings()
@@ -152,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return cache_main(settings)
     if args.cmd == "keys":
         return _keys(args)
+    if args.cmd == "drain":
+        return _drain(settings, args.worker_id, args.reason)
     if args.cmd == "models":
         return _models(args)
     if args.cmd == "bench":

@@ -181,6 +181,14 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "that decode worker",
         False,
     ),
+    "drain": SubjectDoc(
+        ("<worker_id>",),
+        "DrainRequest → AssignmentAck (request/reply)",
+        "core NATS",
+        "operators (`strait drain`)",
+        "that worker",
+        False,
+    ),
     "stream_owner": SubjectDoc(
         (),
         "StreamOwner",

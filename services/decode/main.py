@@ -2,7 +2,8 @@
 ``decode`` in a disaggregated pool, where requests arrive as KV handoffs from prefill workers).
 
 Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
-``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.*`` and beats until SIGTERM.
+``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.*`` and beats until SIGTERM
+or a ``DrainRequest`` on ``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import asyncio
 import logging
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from libs.backend import Backend
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
 from libs.nats_util import connect
+from libs.protocol import AssignmentAck, DrainRequest, ProtocolError, decode, encode
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
 from services.decode.handoff import HandoffReceiver
@@ -66,9 +69,22 @@ async def run_worker(
     """Serve ``work.<id>`` and ``cancel.*`` (plus the role's own ``subs`` and ``tasks``) and
     beat until SIGTERM; then drain running requests and close. The decode and prefill mains."""
     ctx.ready = lambda: nc.is_connected and not worker.draining
+
+    async def on_drain(msg: Msg) -> None:
+        try:
+            d = decode(msg.data, DrainRequest)
+        except ProtocolError as e:
+            log.warning("bad drain request", extra=fields(subject=msg.subject, error=str(e)))
+            return
+        log.info("drain requested", extra=fields(worker_id=d.worker_id, reason=d.reason))
+        if msg.reply:
+            await nc.publish(msg.reply, encode(AssignmentAck(accepted=True, reason="draining")))
+        ctx.stopping.set()  # the SIGTERM path: drain, then exit
+
     subs += [
         await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
         await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
+        await nc.subscribe(worker.subjects.drain(worker.worker_id), cb=on_drain),
     ]
     # Beats go on while draining (they say so, and keep the router from moving requests that
     # are finishing here); they stop once the drain is over.
