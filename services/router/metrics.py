@@ -30,4 +30,8 @@ MIGRATED = Counter(
     "strait_router_migrated_total",
     "Requests moved mid-stream to another worker after theirs was lost",
 )
+REDELIVERED = Counter(
+    "strait_router_redelivered_total",
+    "Requests JetStream delivered again (a router died holding them, or took past the ack wait)",
+)
 REJECTED = Counter("strait_router_rejected_total", "Requests answered with an error", ["code"])

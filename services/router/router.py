@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -265,13 +266,29 @@ class Router:
             await msg.ack()
             return
         ctx = extract_context(msg.headers)
+        if msg.metadata.num_delivered > 1:
+            # A router died holding it (or took past the ack wait): placed at most once more,
+            # unless that router had a worker's acceptance and died before its ack (ms).
+            metrics.REDELIVERED.inc()
+            log.warning(
+                "request redelivered",
+                extra=fields(request_id=req.request_id, deliveries=msg.metadata.num_delivered),
+            )
+        acked = False
+
+        async def ack() -> None:
+            nonlocal acked
+            if not acked:
+                acked = True
+                await msg.ack()
+
         with self._tracer.start_as_current_span(
             "router.route", context=ctx, attributes={"strait.request_id": req.request_id}
         ) as span:
-            route = await self.place(req)
+            route = await self.place(req, on_accepted=ack)
             if route is not None:
                 span.set_attributes(_span_attributes(route))
-        await msg.ack()
+        await ack()
 
     async def place(
         self,
@@ -280,8 +297,11 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         migration: Migration | None = None,
         pool: str = "",
+        on_accepted: Callable[[], Awaitable[None]] | None = None,
     ) -> RouteReason | None:
-        """Decide, then offer ``req`` to the ranked workers until one accepts."""
+        """Decide, then offer ``req`` to the ranked workers until one accepts.
+        ``on_accepted`` runs the moment one does (``handle`` acks the JetStream message there,
+        so a router that dies after the placement does not have it redelivered)."""
         decision = self.decide(req, exclude, pool)
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":
@@ -307,6 +327,8 @@ class Router:
             if i > 0:
                 reserved = self.registry.on_assigned(route.worker_id)
             if await self.offer(req, route, attempt, queued_s, decision.decode_workers, migration):
+                if on_accepted is not None:
+                    await on_accepted()
                 if watched:
                     self.watch.assigned(
                         req.request_id, route, attempt, bool(decision.decode_workers)
