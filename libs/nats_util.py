@@ -94,7 +94,10 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
             info = await js.consumer_info(stream, config.durable_name)
         except NotFoundError:
             raise
-        if info.config.filter_subject != config.filter_subject:
+        if (info.config.filter_subject, info.config.filter_subjects) != (
+            config.filter_subject,
+            config.filter_subjects,
+        ):
             await js.delete_consumer(stream, config.durable_name)
             await js.add_consumer(stream, config=config)
 

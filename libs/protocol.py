@@ -686,6 +686,11 @@ class Subjects:
         return f"{self.prefix}.events.{kind}"
 
     @property
+    def worker_usage(self) -> str:
+        """Workers' own UsageEvent of each finished request (source "worker"), for the ledger."""
+        return f"{self.prefix}.events.usage.worker"
+
+    @property
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
 

@@ -171,6 +171,11 @@ class WorkerSettings(BaseModel):
     # them once the worker's beats stop), other roles' end with worker_lost. Keep the pod's
     # terminationGracePeriodSeconds above this plus router.worker_ttl_s.
     drain_timeout_s: float = 30.0
+    # Publish each finished request's UsageEvent (source "worker") to the ledger's stream, so
+    # the ledger has its row even when the gateway or client that sent it is gone; a gateway's
+    # own later event for the same request id replaces it (the ledger keeps the latest).
+    report_usage: bool = True
+    usage_publish_timeout_s: float = 5.0
 
 
 class HandoffSettings(BaseModel):

@@ -104,6 +104,14 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "ledger writer (durable `ledger`), observers (own durables)",
         True,
     ),
+    "worker_usage": SubjectDoc(
+        (),
+        "UsageEvent (source `worker`)",
+        "JetStream (stream `{events_stream}`)",
+        "workers, per finished request (`worker.report_usage`)",
+        "ledger writer (durable `ledger`)",
+        True,
+    ),
     "events_all": SubjectDoc(
         (),
         "UsageEvent / RouteDecision",
@@ -398,7 +406,7 @@ def render_reference(settings: NatsSettings | None = None) -> str:
     lines += [
         "",
         "Consumers the fleet owns: `router` (requests stream; router replicas share it) and "
-        "`ledger` (events stream, filter `events.usage`; ledger writers share it). Binding to "
+        "`ledger` (events stream, filters `events.usage` and `events.usage.worker`; ledger writers share it). Binding to "
         "either *takes* messages from the fleet: observers must use names of their own "
         "(the client library refuses these two).",
         "",

@@ -1,7 +1,7 @@
 """The ledger writer: JetStream usage events -> one ``requests`` row per request id.
 
 Loop: fetch a batch from the durable pull consumer ``ledger`` on the events stream (filtered to
-``Subjects.event("usage")``) → decode (garbage is terminated, never retried) → upsert the batch
+``Subjects.event("usage")`` and ``Subjects.worker_usage``) → decode (garbage is terminated, never retried) → upsert the batch
 in one transaction → ack. A database error naks the batch with a delay, so an outage delays rows
 and loses none: the events wait in JetStream. Every gateway replica may run a writer: replicas
 bound to the same durable consumer share its messages, and a redelivered event (a lost ack, a
@@ -93,7 +93,10 @@ class LedgerWriter:
         self.settings = settings
         self.js = js
         self.db = db
-        self.subject = Subjects(settings.nats.subject_prefix).event("usage")
+        subjects = Subjects(settings.nats.subject_prefix)
+        # Gateways' and clients' events, and workers' own (the row exists when the gateway or
+        # client is gone; otherwise theirs, published later, replaces the worker's).
+        self.subjects = [subjects.event("usage"), subjects.worker_usage]
         self.written = 0
         self.failures = 0
         self._stopping = asyncio.Event()
@@ -112,7 +115,7 @@ class LedgerWriter:
                 ack_policy=AckPolicy.EXPLICIT,
                 ack_wait=ACK_WAIT_S,
                 max_deliver=-1,
-                filter_subject=self.subject,
+                filter_subjects=self.subjects,
                 deliver_policy=DeliverPolicy.ALL,
             ),
         )

@@ -108,6 +108,7 @@ async def run_worker(
             t.cancel()
         for s in subs:
             await s.unsubscribe()
+        await worker.flush_usage(worker.settings.worker.usage_publish_timeout_s)
         await nc.drain()
         await worker.backend.stop()
 

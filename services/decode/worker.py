@@ -39,6 +39,7 @@ from libs.protocol import (
     TokenDelta,
     ToolCall,
     Usage,
+    UsageEvent,
     WorkerBeat,
     decode,
     encode,
@@ -78,6 +79,7 @@ class Worker:
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
+        self._usage_tasks: set[asyncio.Task[None]] = set()
         # When this worker last published a beat (monotonic; 0 before the first). Past the
         # router's worker_ttl_s without one, the router presumes it lost and moves its requests.
         self.last_beat_at = 0.0
@@ -185,6 +187,46 @@ class Worker:
         )
         metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
         metrics.E2E.observe(total)
+        if self.settings.worker.report_usage:
+            ev = UsageEvent(
+                request_id=out.request_id,
+                api_key_id=a.request.api_key_id,
+                pool=self.pool,
+                model=self.backend.model_name,
+                worker_id=self.worker_id,
+                route_code=a.route.code,
+                route_factors=a.route.factors,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                queued_s=a.queued_s,
+                ttft_s=ttft,
+                total_s=total,
+                created_at=a.request.created_at,
+                source="worker",
+            )
+            task = asyncio.create_task(self._publish_usage(ev))
+            self._usage_tasks.add(task)
+            task.add_done_callback(self._usage_tasks.discard)
+
+    async def _publish_usage(self, ev: UsageEvent) -> None:
+        """The ledger's row from this side (JetStream; deduplicated by its own message id)."""
+        try:
+            await self.nc.jetstream().publish(
+                self.subjects.worker_usage,
+                encode(ev),
+                timeout=self.settings.worker.usage_publish_timeout_s,
+                headers={"Nats-Msg-Id": f"usage-worker-{ev.request_id}"},
+            )
+        except Exception as e:  # the gateway's event may still carry it; never fail a stream
+            log.warning(
+                "usage event publish failed", extra=fields(request_id=ev.request_id, error=repr(e))
+            )
+
+    async def flush_usage(self, timeout_s: float) -> None:
+        """Wait for usage events still being published (before the connection closes)."""
+        if self._usage_tasks:
+            await asyncio.wait(list(self._usage_tasks), timeout=timeout_s)
 
     async def fail(self, out: StreamWriter, e: BaseException) -> tuple[str, str]:
         """End a request's stream after ``e``: (status, error code) for the log and metrics.

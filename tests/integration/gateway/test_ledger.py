@@ -106,12 +106,43 @@ async def test_ledger_rows_survive_a_database_outage(db_settings: Settings) -> N
                 return set(await ledger_rows(db_settings)) == set(ids)
 
             await eventually(all_rows)
-            assert writer.written == 4
+
+            async def both_sources() -> bool:  # each request: the worker's event, the gateway's
+                return writer.written == 8
+
+            await eventually(both_sources)
+            rows = await ledger_rows(db_settings)
+            assert {r.source for r in rows.values()} == {"gateway"}  # the later event wins
         finally:
             await writer.stop()
             await down.close()
             await up.close()
             await nc.drain()
+
+
+async def test_a_request_whose_client_reports_nothing_still_gets_its_row(
+    db_settings: Settings,
+) -> None:
+    """The worker's own usage event: a NATS client that reports no usage (or a gateway that
+    died mid-request) leaves the ledger its row all the same, attributed to the request's key."""
+    from libs.client import StraitClient
+
+    async with GatewayFleet(db_settings) as fleet:
+        await fleet.add_worker("w1")
+        await fleet.gateway()  # runs the ledger writer
+        await fleet.wait_workers(1)
+        async with StraitClient.from_settings(
+            db_settings, report_usage=False, api_key_id="team-x"
+        ) as client:
+            c = await client.complete("a b c", max_tokens=4, ignore_eos=True)
+
+        async def row() -> RequestRow | None:
+            return (await ledger_rows(db_settings)).get(c.request_id)
+
+        got = await eventually(row)
+        assert got.source == "worker" and got.api_key_id == "team-x" and got.worker_id == "w1"
+        assert (got.prompt_tokens, got.completion_tokens) == (3, 4)
+        assert got.status == "ok"
 
 
 async def test_replicas_share_the_ledger_consumer_and_duplicates_upsert(
