@@ -151,6 +151,9 @@ class RouterSettings(BaseModel):
     # router forgets it.
     max_watched: int = 10_000
     watch_ttl_s: float = 120.0
+    # A started stream silent this long while its worker still beats is moved like a lost
+    # worker's (a hung engine); 0: never. Below the gateway's idle timeout, above any step.
+    stall_timeout_s: float = 30.0
     # Tokenizations (per message / prompt) cached by the prefix hasher of each model.
     tokenize_cache_entries: int = 4096
     # Seconds between registry sweeps (expiry → re-placement).

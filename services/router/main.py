@@ -111,6 +111,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
                 log.info("worker expired", extra=fields(worker_id=gone))
                 spawn(replace(gone))
             await router.watch.sweep()
+            await router.stalled_streams()
             metrics.WATCHED.set(len(router.watch.watched))
             for pool in {p.name for p in s.pools} | registry.pools():
                 metrics.LIVE_WORKERS.labels(pool=pool).set(len(registry.live(pool)))

@@ -353,7 +353,23 @@ class Router:
                 continue
             await self.move(w, worker_id)
 
-    async def move(self, w: Watched, worker_id: str) -> None:
+    async def stalled_streams(self) -> None:
+        """Move requests whose stream went silent past ``router.stall_timeout_s`` although
+        their worker still beats (a hung engine thread, a wedged request)."""
+        if self.cfg.stall_timeout_s <= 0:
+            return
+        for w in self.watch.stalled(self.cfg.stall_timeout_s):
+            if w.route is None or self.watch.streamed_unannounced(w):
+                continue
+            worker_id = w.route.worker_id
+            w.lost.add(worker_id)
+            log.warning(
+                "stream stalled; moving the request",
+                extra=fields(request_id=w.req.request_id, worker_id=worker_id),
+            )
+            await self.move(w, worker_id, reason="stalled")
+
+    async def move(self, w: Watched, worker_id: str, reason: str = "worker_lost") -> None:
         """Place ``w`` again: from scratch before its first token, else as a migration."""
         rid = w.req.request_id
         refusal = ""
@@ -363,11 +379,12 @@ class Router:
             refusal = "requests with n > 1 do not migrate"
         if refusal:
             when = "mid-stream" if w.streamed else "before the first token"
+            what = "stalled" if reason == "stalled" else "was lost"
             await self.reply_error(
                 w.req,
                 Rejection(
                     "worker_lost",
-                    f"worker {worker_id!r} was lost {when}; {refusal}",
+                    f"worker {worker_id!r} {what} {when}; {refusal}",
                     retry_after_s=self.cfg.retry_after_s,
                 ),
             )
@@ -381,6 +398,7 @@ class Router:
                 from_worker=worker_id,
                 attempt=w.attempt + 1,
                 num_tokens=len(w.tokens),
+                reason=reason,
             )
             w.last_seq += 1
             await self.nc.publish(self.stream_subject(w.req), encode(marker))

@@ -176,6 +176,19 @@ class StreamWatch:
         for rid in [r for r, w in self.watched.items() if now - w.seen > self.ttl_s]:
             await self.forget(rid)
 
+    def stalled(self, stall_s: float, now: float | None = None) -> list[Watched]:
+        """Streams that began and then went silent for ``stall_s`` while placed (each reported
+        once: its silence clock restarts)."""
+        now = time.monotonic() if now is None else now
+        out = [
+            w
+            for w in self.watched.values()
+            if w.route is not None and w.num_deltas > 0 and now - w.seen > stall_s
+        ]
+        for w in out:
+            w.seen = now
+        return out
+
     async def close(self) -> None:
         for rid in list(self.watched):
             await self.forget(rid)

@@ -4,6 +4,7 @@ once — or ends with a typed error within a few beat intervals when it cannot m
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from libs.protocol import (
     TokenDelta,
     encode,
 )
-from libs.settings import Settings
+from libs.settings import FakeEngineSettings, Settings
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
 from tests.support.fleet import InProcessFleet, WorkerHandle
@@ -219,3 +220,45 @@ async def test_a_draining_worker_finishes_or_hands_over(
     text = "".join(m.text for m in got if isinstance(m, TokenDelta))
     assert text == await reference_text(router_settings, r)
     assert end.usage.completion_tokens == max_tokens
+
+
+class WedgedBackend(FakeBackend):
+    """Streams a few tokens, then hangs (a stuck engine) while the worker keeps beating."""
+
+    def __init__(self, settings: FakeEngineSettings, after: int) -> None:
+        super().__init__(settings, model_name="fake-model")
+        self.after = after
+
+    async def generate(self, request_id, prompt, sampling, priority, resume=None):  # type: ignore[no-untyped-def, override]
+        n = 0
+        async for chunk in super().generate(request_id, prompt, sampling, priority, resume):
+            yield chunk
+            n += 1
+            if n == self.after:
+                await asyncio.Event().wait()
+
+
+async def test_a_stream_stalled_on_a_beating_worker_moves(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    router_settings.router.stall_timeout_s = 0.5
+    r = req("s1", max_tokens=40)
+    async with InProcessFleet(router_settings) as fleet:
+        await fleet.add_worker("stuck", backend=WedgedBackend(router_settings.fake_engine, 5))
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"stuck"})
+        async with StreamReader(client.nc, client.subjects.stream("s1"), 10, 10) as reader:
+            await client.js.publish(client.subjects.requests, encode(r))
+            messages = reader.messages()
+            first = await anext(messages)
+            await fleet.add_worker("w2")
+            await poll(lambda: "w2" in live(fleet.routers[0]))
+            got = [first, *[m async for m in messages]]
+        stuck = fleet.workers[0]
+        await poll(lambda: "s1" not in stuck.worker.tasks, what="the stuck worker to drop it")
+    end = got[-1]
+    moved = [m for m in got if isinstance(m, Migrated)]
+    assert isinstance(end, Finished) and end.worker_id == "w2", end
+    assert len(moved) == 1 and moved[0].reason == "stalled"
+    text = "".join(m.text for m in got if isinstance(m, TokenDelta))
+    assert text == await reference_text(router_settings, r)
