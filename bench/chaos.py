@@ -27,14 +27,19 @@ seconds of its send, or it is a hang. Per scenario:
   prompt and seed (computed here by running ``FakeBackend`` itself), or a completed one whose
   text, chunk count or ``usage.completion_tokens`` differ from the full answer: a duplicated or
   lost token shows here;
-- ledger lost / wrong: completed requests with no ``ok`` row in the ``requests`` table, and rows
-  whose ``completion_tokens`` differ from what the client received;
+- ledger lost / wrong: completed requests with no ``ok`` row in the ``requests`` table, and
+  completed requests whose row's ``completion_tokens`` differ from the client's usage (a token
+  counted twice after a migration shows here);
 - held after: requests the surviving workers still run after the load ended
   (``strait_worker_running_requests`` on each worker's /metrics);
-- crashed: processes that exited that the fault did not end;
+- crashed: processes that exited that the fault did not end; served twice (JSON): requests two
+  workers both ran to the end;
+- unacked: messages of the routers' requests consumer never acked after the run (a message a
+  router failed on stays there and is redelivered);
 - stalled: of the streams open at the fault (at the signal itself), those that then went
   silent for more than 0.5 s (to their next token, between tokens, or to their end), and that
-  silence p50 / max: what the fault cost a client that kept its stream.
+  silence p50 / max: what the fault cost a client that kept its stream; TTFT after: time to
+  first token of the requests sent after the fault.
 
 The process logs stay in the run directory printed at the start (evidence for any row).
 Everything shares one machine (2 cores where docs/reliability.md was measured).
@@ -55,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -87,9 +92,10 @@ class Opts:
     per_token_s: float = 0.02
     fault_at: float = 3.5
     after: float = 6.0
-    bound: float = 60.0
+    bound: float = 75.0
     nats_every: int = 4  # every n-th slot uses StraitClient on NATS (0: none)
     malformed: int = 3000
+    oversized: bool = True  # the malformed run includes 1-4 MB request ids
     run_dir: Path = Path()
 
 
@@ -331,6 +337,10 @@ class Call:
         self.status, self.error = "failed", why
 
 
+async def quiet(e: Exception) -> None:
+    return None
+
+
 class Load:
     """``streams`` slots, each sending its next request as soon as the previous one ended."""
 
@@ -493,18 +503,26 @@ class Load:
             if c.status != "ok":
                 await asyncio.sleep(0.2)  # do not spin on a refusal
 
-    async def run(self, fault: Callable[[], Awaitable[None]] | None) -> float | None:
+    async def run(self, fault: Callable[[], Coroutine[Any, Any, None]] | None) -> float | None:
         """Load, the fault at ``fault_at``, no new requests ``after`` s later, all ended.
         Returns the fault's time (perf_counter), None without one."""
+        import nats
+
         from libs.client import StraitClient
 
+        nc = None
         if self.opts.nats_every:
-            self.client = StraitClient(self.fleet.nats.url, api_key_id="chaos")
-            await self.client.connect()
+            nc = await nats.connect(
+                self.fleet.nats.url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=quiet,  # a restarted server is expected here, not worth a traceback
+            )
+            self.client = StraitClient(nc, api_key_id="chaos")
         slots = [asyncio.create_task(self.slot(i)) for i in range(self.opts.streams)]
         await asyncio.sleep(self.opts.fault_at)
         t_fault = None
-        fault_task = None
+        fault_task: asyncio.Task[None] | None = None
         if fault is not None:
             t_fault = time.perf_counter()
             fault_task = asyncio.create_task(fault())
@@ -514,9 +532,9 @@ class Load:
         if fault_task is not None:
             await fault_task
             t_fault = self.fleet.t_fault or t_fault  # the signal itself, when there was one
-        if self.client is not None:
+        if nc is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.close(), 10)
+                await asyncio.wait_for(nc.close(), 10)
         return t_fault
 
 
@@ -556,6 +574,26 @@ def ledger_rows(db: Path) -> dict[str, tuple[str, int]]:
         return {}
 
 
+async def router_consumer(url: str) -> dict[str, Any]:
+    """The routers' requests consumer: messages never acked (a poison message stays there)."""
+    from nats.aio.client import Client as NATS
+
+    nc = NATS()
+    try:
+        await nc.connect(url, max_reconnect_attempts=1, connect_timeout=2)
+        info = await nc.jetstream().consumer_info("STRAIT_REQUESTS", "router")
+        return {
+            "ack_pending": info.num_ack_pending or 0,
+            "redelivered": info.num_redelivered or 0,
+            "pending": info.num_pending or 0,
+        }
+    except Exception as e:
+        return {"error": repr(e)[:100]}
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
 def pct(xs: list[float], q: float) -> float | None:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))] if s else None
@@ -578,6 +616,13 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         if c.path == "http":
             c.migrations = moved.get(c.request_id, 0)
     router_log = Counter(r.get("msg") for r in fleet.log_lines("router"))
+    # A request of the load run to its end by two workers (a redelivered one placed again).
+    ids = {c.request_id for c in calls}
+    served = Counter(
+        r["request_id"]
+        for r in fleet.log_lines("worker")
+        if r.get("msg") == "request" and r.get("status") == "ok" and r["request_id"] in ids
+    )
     gw_metric = 0.0
     for url in fleet.gateway_urls:
         n = await asyncio.to_thread(fleet.scrape, url, "strait_gateway_migrations_total")
@@ -594,11 +639,12 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         if not lost or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
-    by_id = {c.request_id: c for c in calls}
-    wrong = [
-        rid
-        for rid, (status, n) in rows.items()
-        if status == "ok" and rid in by_id and n != by_id[rid].usage
+    consumer = await router_consumer(fleet.nats.url)
+    wrong = [c for c in done if c.request_id in rows and rows[c.request_id][1] != c.usage]
+    # Requests whose client saw a failure but the fleet finished them (a worker's own usage
+    # event records the work done: a killed gateway's streams, for one).
+    billed_failed = [
+        c for c in calls if c.status != "ok" and rows.get(c.request_id, ("",))[0] == "ok"
     ]
     # The longest silence each stream open at the fault saw after it (to its next token, between
     # tokens, or to its end); the streams silent for more than STALL_S are the fault's.
@@ -623,11 +669,14 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         "failed": sum(failed.values()),
         "failed_by": dict(failed),
         "hangs": sum(1 for c in calls if c.status == "hang"),
+        "hang_ids": [c.request_id for c in calls if c.status == "hang"][:20],
+        "failed_ids": [c.request_id for c in calls if c.status == "failed"][:20],
         "bad_text": len(bad),
         "bad_text_ids": [c.request_id for c in bad][:20],
         "ledger_lost": len(lost),
         "ledger_lost_ids": [c.request_id for c in lost][:20],
         "ledger_wrong": len(wrong),
+        "ledger_ok_rows_of_failed": len(billed_failed),
         "held_after": {w: v for w, v in held.items()},
         "held_after_total": sum(v or 0 for v in held.values()),
         "crashed": fleet.crashed(),
@@ -640,6 +689,14 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         "gateway_migrations_metric": gw_metric,
         "router_migrations_logged": router_log["migrating request of a lost worker"],
         "router_replaced_logged": router_log["re-placing request"],
+        "router_redelivered_logged": router_log["request redelivered"],
+        "served_twice": sum(1 for n in served.values() if n > 1),
+        "router_consumer": consumer,
+        "nats_server_errors": [
+            line.split("] ", 2)[-1][:200]
+            for line in (fleet.tmp / "nats-server.log").read_text(errors="replace").splitlines()
+            if "[ERR]" in line
+        ][:10],
         "by_path": {p: Counter(c.status for c in calls if c.path == p) for p in ("http", "nats")},
         "logs": str(fleet.tmp),
     }
@@ -648,15 +705,19 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
 async def run_scenario(
     name: str,
     opts: Opts,
-    fault: Callable[[Fleet, Load], Awaitable[None]] | None,
+    fault: Callable[[Fleet, Load], Coroutine[Any, Any, None]] | None,
+    settle: float = 0.0,
     **fleet_kw: Any,
 ) -> dict[str, Any]:
+    """One scenario on a fleet of its own; ``settle``: seconds to wait after the load before
+    measuring (for what happens later, such as a redelivery)."""
     t0 = time.monotonic()
     print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
     with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
         load = Load(fleet, opts)
         print(f"[{name}] load: {opts.streams} streams", file=sys.stderr, flush=True)
         t_fault = await load.run((lambda: fault(fleet, load)) if fault else None)
+        await asyncio.sleep(settle)
         row = await measure(name, fleet, load, t_fault)
     row["wall_s"] = round(time.monotonic() - t0, 1)
     print(f"[{name}] done in {row['wall_s']} s: {short(row)}", file=sys.stderr, flush=True)
@@ -713,12 +774,14 @@ async def slow_worker(opts: Opts) -> dict[str, Any]:
 
 
 async def kill_router(opts: Opts) -> dict[str, Any]:
-    """Two routers sharing the requests consumer; SIGKILL the first."""
+    """Two routers sharing the requests consumer; SIGKILL the first. Measured after the
+    consumer's ack wait (router.assign_timeout_s x 4 + 5 = 13 s), so a request the dead router
+    held unacked has been redelivered to the other by then."""
 
     async def fault(fleet: Fleet, load: Load) -> None:
         fleet.signal("router", signal.SIGKILL)
 
-    return await run_scenario("kill-router", opts, fault, routers=2)
+    return await run_scenario("kill-router", opts, fault, settle=15.0, routers=2)
 
 
 async def kill_gateway(opts: Opts) -> dict[str, Any]:
@@ -742,7 +805,12 @@ async def restart_nats(opts: Opts) -> dict[str, Any]:
     return await run_scenario("restart-nats", opts, fault)
 
 
-def malformed_payloads(rng: random.Random, valid: dict[str, Any], n: int) -> list[bytes]:
+WRONG_VALUES: list[Any] = [[], {}, "x" * 10, -1, 1e308, None, [1, "a"]]
+
+
+def malformed_payloads(
+    rng: random.Random, valid: dict[str, Any], n: int, oversized: bool = True
+) -> list[bytes]:
     """``n`` payloads a decoder must refuse: random bytes, truncated JSON, a wrong ``v``,
     fields of the wrong type, other message types, and a few oversized ones (1-4 MB)."""
     raw = json.dumps(valid).encode()
@@ -756,12 +824,13 @@ def malformed_payloads(rng: random.Random, valid: dict[str, Any], n: int) -> lis
             out.append(raw[: rng.randint(0, len(raw) - 1)])
         elif kind == 2:
             out.append(json.dumps(valid | {"v": rng.choice([0, 2, 999, "1", None])}).encode())
-        elif kind == 3:
-            bad = rng.choice([[], {}, "x" * 10, -1, 1e308, None, [1, "a"]])
-            out.append(json.dumps(valid | {rng.choice(keys): bad}).encode())
+        elif kind == 3:  # every field in turn, with every wrong value in turn
+            combo = i // 6
+            bad = WRONG_VALUES[combo // len(keys) % len(WRONG_VALUES)]
+            out.append(json.dumps(valid | {keys[combo % len(keys)]: bad}).encode())
         elif kind == 4:
             out.append(rng.choice([b"[]", b"null", b"1", b'"str"', b"{}", b'{"v":1}']))
-        elif i % 600 == 5:
+        elif oversized and i % 600 == 5:
             out.append(b'{"v":1,"request_id":"' + b"A" * rng.randint(1, 4) * 2**20 + b'"}')
         else:
             out.append(raw.replace(b'"', b"'", rng.randint(1, 5)))
@@ -802,7 +871,7 @@ async def malformed(opts: Opts) -> dict[str, Any]:
         js = nc.jetstream()
         sent: Counter[str] = Counter()
         try:
-            for p in malformed_payloads(rng, request, per * 2):
+            for p in malformed_payloads(rng, request, per * 2, opts.oversized):
                 with contextlib.suppress(Exception):  # the stream may refuse an oversized one
                     await js.publish(s.requests, p, timeout=5)
                     sent["requests"] += 1
@@ -816,7 +885,7 @@ async def malformed(opts: Opts) -> dict[str, Any]:
                 (s.handoff_kv("w2", "t"), handoff, per // 2),
             ]
             for subject, valid, n in targets:
-                for j, p in enumerate(malformed_payloads(rng, valid, n)):
+                for j, p in enumerate(malformed_payloads(rng, valid, n, opts.oversized)):
                     await nc.publish(subject, p)
                     sent[subject.split(".")[2]] += 1
                     if j % 200 == 0:
@@ -851,10 +920,10 @@ def fmt_s(x: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| scenario | streams | requests | completed | migrated | failed | hangs | bad text "
-        "| ledger lost / wrong | held after | crashed | stalled > 0.5 s | stall p50 / max s "
+        "| ledger lost / wrong | held after | crashed | unacked | stalled > 0.5 s | stall p50 / max s "
         "| TTFT after p50 / max s |\n"
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
-        "| ---: |\n"
+        "| ---: | ---: |\n"
     )
     lines = []
     for r in rows:
@@ -866,6 +935,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['migrated']} | {failed} | {r['hangs']} | {r['bad_text']} "
             f"| {r['ledger_lost']} / {r['ledger_wrong']} | {r['held_after_total']:.0f} "
             f"| {', '.join(r['crashed']) or '0'} "
+            f"| {r['router_consumer'].get('ack_pending', '?')} "
             f"| {r['stalled']} of {r['open_at_fault']} "
             f"| {fmt_s(r['stall_s'][0])} / {fmt_s(r['stall_s'][1])} "
             f"| {fmt_s(r['ttft_after_s'][0])} / {fmt_s(r['ttft_after_s'][1])} |"
@@ -893,9 +963,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-token-s", type=float, default=0.02, help="the FAKE engine's per token")
     p.add_argument("--fault-at", type=float, default=3.5, help="seconds of load before the fault")
     p.add_argument("--after", type=float, default=6.0, help="seconds of new requests after it")
-    p.add_argument("--bound", type=float, default=60.0, help="a request not ended by then hangs")
+    p.add_argument(
+        "--bound",
+        type=float,
+        default=75.0,
+        help="a request not ended this long after its send hangs (above the gateway's 60 s "
+        "idle timeout, so a stream that timeout ends is a failure, not a hang)",
+    )
     p.add_argument("--nats-every", type=int, default=4, help="every n-th stream on NATS; 0: none")
     p.add_argument("--malformed", type=int, default=3000, help="messages of the malformed run")
+    p.add_argument(
+        "--no-oversized", action="store_true", help="malformed: leave out the 1-4 MB request ids"
+    )
     p.add_argument("--logs", default="", help="run directory (default: a new one under /tmp)")
     p.add_argument("--json", default="", help="also write the rows to this file")
     args = p.parse_args(argv)
@@ -914,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         bound=args.bound,
         nats_every=args.nats_every,
         malformed=args.malformed,
+        oversized=not args.no_oversized,
         run_dir=run_dir,
     )
     print(f"chaos: logs under {run_dir}", file=sys.stderr, flush=True)

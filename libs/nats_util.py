@@ -170,6 +170,11 @@ async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: floa
     return await nc.request(subject, encode(msg), timeout=timeout, headers=inject_headers())
 
 
+# Seconds a reader holds later stream messages waiting for a missing one before it reports the
+# gap (core NATS does not redeliver; a reordering between publishers settles in milliseconds).
+STREAM_GAP_TIMEOUT_S = 5.0
+
+
 class StreamGap(Exception):
     """A stream message never arrived (``expected`` seq) before the stream's end."""
 
@@ -190,8 +195,10 @@ class StreamReader:
 
     ``messages()`` yields typed stream messages in ``seq`` order (starting at 1); duplicates are
     dropped, out-of-order messages are held until the gap fills; it ends after ``Finished`` or
-    ``ErrorMessage``. Raises ``TimeoutError`` on silence and ``StreamGap`` when the terminal
-    message arrives while an earlier seq is still missing.
+    ``ErrorMessage``. Raises ``TimeoutError`` on silence and ``StreamGap`` when an earlier seq
+    is still missing ``gap_timeout_s`` after a later one arrived (a message lost, e.g. published
+    while this connection was re-subscribing after a reconnect), or when the terminal message
+    arrives and the gap does not fill within that time.
     """
 
     def __init__(
@@ -201,11 +208,13 @@ class StreamReader:
         first_timeout_s: float,
         idle_timeout_s: float,
         max_pending: int = 4096,
+        gap_timeout_s: float = STREAM_GAP_TIMEOUT_S,
     ) -> None:
         self._nc = nc
         self.subject = subject
         self._first_timeout = first_timeout_s
         self._idle_timeout = idle_timeout_s
+        self._gap_timeout = gap_timeout_s
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=max_pending)
         self._sub: Subscription | None = None
         self.stats = StreamStats()
@@ -249,7 +258,15 @@ class StreamReader:
             # A message already queued is taken at once: wait_for costs a task per call, and a
             # gateway streaming thousands of tokens a second pays it once per token.
             if self._queue.empty():
-                data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+                if held:  # later messages wait on a missing one: it gets gap_timeout_s
+                    try:
+                        data = await asyncio.wait_for(
+                            self._queue.get(), timeout=min(timeout, self._gap_timeout)
+                        )
+                    except TimeoutError:
+                        raise StreamGap(expected, min(held)) from None
+                else:
+                    data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
             else:
                 data = self._queue.get_nowait()
             timeout = self._idle_timeout
@@ -267,7 +284,7 @@ class StreamReader:
                 if isinstance(msg, Finished | ErrorMessage):
                     # The end is here but an earlier message is missing: wait briefly for it.
                     try:
-                        async with asyncio.timeout(self._idle_timeout):
+                        async with asyncio.timeout(min(self._idle_timeout, self._gap_timeout)):
                             while expected not in held:
                                 more = decode_stream(await self._queue.get())
                                 if more.seq >= expected and more.seq not in held:

@@ -747,13 +747,24 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+MAX_REQUEST_ID_CHARS = 128
+
+
+def usable_request_id(rid: str) -> bool:
+    """True when ``rid`` can name a stream subject: 1..128 characters, none of ``. * >`` and no
+    whitespace. Anything else is never answered on ``stream.<rid>`` (it would be another
+    subject, a wildcard, or a protocol line nats-server refuses), only dead-lettered."""
+    return 0 < len(rid) <= MAX_REQUEST_ID_CHARS and not any(c in ".*>" or c.isspace() for c in rid)
+
+
 class ProtocolError(ValueError):
-    """A message that failed validation; ``code`` is the ErrorMessage code to answer with."""
+    """A message that failed validation; ``code`` is the ErrorMessage code to answer with.
+    ``request_id`` is kept only when it is usable as a subject token (else "")."""
 
     def __init__(self, code: ErrorCode, message: str, request_id: str = "") -> None:
         super().__init__(message)
         self.code: ErrorCode = code
-        self.request_id = request_id
+        self.request_id = request_id if usable_request_id(request_id) else ""
 
 
 def decode(data: bytes, type_: type[T]) -> T:
@@ -767,7 +778,7 @@ def decode(data: bytes, type_: type[T]) -> T:
         rid = raw.get("request_id")
         request_id = rid if isinstance(rid, str) else ""
         v = raw.get("v", PROTOCOL_VERSION)
-        if v not in SUPPORTED_VERSIONS:
+        if type(v) is not int or v not in SUPPORTED_VERSIONS:
             raise ProtocolError(
                 "unsupported_version",
                 f"protocol version {v!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})",
@@ -816,14 +827,9 @@ def validate_request(req: GenerateRequest) -> None:
         raise ProtocolError(
             "invalid_request", f"tool_name {req.tool_name!r} is not one of tools", req.request_id
         )
-    if (
-        "." in req.request_id
-        or "*" in req.request_id
-        or ">" in req.request_id
-        or " " in req.request_id
-    ):
+    if not usable_request_id(req.request_id):
         raise ProtocolError(
-            "invalid_request", "request_id must not contain '.', '*', '>' or spaces", req.request_id
+            "invalid_request", "request_id must not contain '.', '*', '>' or whitespace"
         )
 
 

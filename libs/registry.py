@@ -102,6 +102,13 @@ class WorkerRegistry:
             self._forget_blocks(self.workers.pop(w))
         return gone
 
+    def refresh(self, now: float | None = None) -> None:
+        """Every known worker counts as just seen: after the router itself was cut off from
+        NATS, silence said nothing about the workers; they get a whole TTL to beat again."""
+        now = time.monotonic() if now is None else now
+        for v in self.workers.values():
+            v.seen_at = max(v.seen_at, now)
+
     def live(
         self,
         pool: str,

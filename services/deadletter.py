@@ -12,14 +12,17 @@ from libs.protocol import DeadLetter, Subjects, encode
 
 log = logging.getLogger("strait.deadletter")
 
-# Bytes of the bad payload kept for diagnosis.
+# Bytes of the bad payload, and characters of the error, kept for diagnosis.
 PAYLOAD_HEAD_BYTES = 256
+ERROR_CHARS = 1000
 
 
 async def dead_letter(nc: NATS, subjects: Subjects, msg: Msg, error: str, service: str) -> None:
     log.warning("malformed message", extra=fields(subject=msg.subject, error=error[:200]))
     head = msg.data[:PAYLOAD_HEAD_BYTES].decode("utf-8", errors="replace")
-    letter = DeadLetter(subject=msg.subject, error=error, service=service, payload_head=head)
+    letter = DeadLetter(
+        subject=msg.subject, error=error[:ERROR_CHARS], service=service, payload_head=head
+    )
     try:
         await nc.publish(subjects.deadletter, encode(letter))
     except Exception as e:

@@ -101,6 +101,10 @@ class Worker:
         except ProtocolError as e:
             await self._reject_malformed(msg, e)
             return
+        except Exception as e:  # a validation bug: refuse, never crash the handler
+            log.exception("assignment could not be validated")
+            await self._reject_malformed(msg, ProtocolError("invalid_request", repr(e)))
+            return
         rid = a.request.request_id
         if (
             self.draining

@@ -105,8 +105,16 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             log.exception("re-placement failed", extra=fields(worker_id=worker_id))
 
     async def sweep() -> None:
+        cut_off = False
         while True:
             await asyncio.sleep(s.router.sweep_interval_s)
+            if not nc.is_connected:
+                # No beats can arrive: expiring now would move every request of live workers.
+                cut_off = True
+                continue
+            if cut_off:
+                cut_off = False
+                registry.refresh()
             for gone in registry.expire():
                 log.info("worker expired", extra=fields(worker_id=gone))
                 spawn(replace(gone))

@@ -265,6 +265,11 @@ class Router:
             await self._reject_malformed(msg, e)
             await msg.ack()
             return
+        except Exception as e:  # a validation bug must not leave a message redelivered forever
+            log.exception("request could not be validated")
+            await dead_letter(self.nc, self.subjects, msg, repr(e), "router")
+            await msg.ack()
+            return
         ctx = extract_context(msg.headers)
         if msg.metadata.num_delivered > 1:
             # A router died holding it (or took past the ack wait): placed at most once more,
@@ -508,7 +513,7 @@ class Router:
 
     async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
         metrics.REJECTED.labels(code=e.code).inc()
-        if e.request_id and "." not in e.request_id and "*" not in e.request_id:
+        if e.request_id:  # usable as a subject token (ProtocolError keeps no other)
             err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
             await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
         else:

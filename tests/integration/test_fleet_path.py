@@ -101,7 +101,23 @@ async def test_malformed_messages_get_typed_errors_and_services_survive(
         await js.publish(subjects.requests, b'{"v": 99, "request_id": "oldv", "prompt": "x"}')
         err = decode_stream(await asyncio.wait_for(replies.get(), 10))
         assert isinstance(err, ErrorMessage) and err.code == "unsupported_version"
-        # 4) garbage straight at a worker and at the cancel subject.
+        # 4) a version that is not even a number, and request ids no subject can carry (huge,
+        #    a wildcard, whitespace): dead letters, acked, never redelivered; the router lives.
+        huge = "x" * 200_000  # as a subject, far past nats-server's 4 KiB control line
+        await nc.subscribe(subjects.stream("listv"), cb=on_reply)
+        await nc.flush()
+        for bad in (
+            b'{"v": [1], "request_id": "listv", "prompt": "x"}',
+            b'{"request_id": "' + huge.encode() + b'", "prompt": 5}',
+            b'{"request_id": "a>b", "prompt": 5}',
+            b'{"request_id": "a b", "prompt": "x"}',
+        ):
+            await js.publish(subjects.requests, bad)
+        err = decode_stream(await asyncio.wait_for(replies.get(), 10))
+        assert isinstance(err, ErrorMessage) and err.code == "unsupported_version"
+        for _ in range(3):
+            assert (await asyncio.wait_for(dead.get(), 10)).service == "router"
+        # 5) garbage straight at a worker and at the cancel subject.
         await nc.publish(subjects.work(w.worker_id), b"{]")
         await nc.publish(subjects.cancel("x"), b"[1,2")
         assert (await asyncio.wait_for(dead.get(), 10)).service == "worker"

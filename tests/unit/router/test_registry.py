@@ -23,6 +23,16 @@ def test_a_worker_that_misses_beats_is_dropped_with_its_blocks() -> None:
     assert r.overlaps([1, 2]) == {}
 
 
+def test_after_the_router_was_cut_off_every_worker_gets_a_fresh_ttl() -> None:
+    """The router's own NATS connection was down: the silence says nothing about the workers,
+    so none expires until a whole TTL after it is back."""
+    r = WorkerRegistry(ttl_s=1.0)
+    r.on_beat(beat("a"), now=100.0)
+    r.refresh(now=102.0)  # reconnected at 102 s, two TTLs after the last beat
+    assert r.expire(now=102.9) == []
+    assert r.expire(now=103.1) == ["a"]
+
+
 def test_draining_and_other_pools_are_not_live() -> None:
     r = WorkerRegistry(ttl_s=10.0)
     r.on_beat(beat("a", draining=True))

@@ -1,0 +1,47 @@
+"""StreamReader on a real nats-server: order, duplicates, and gaps that end clearly instead of
+waiting out the idle timeout."""
+
+from __future__ import annotations
+
+import time
+
+import nats
+import pytest
+
+from libs.nats_util import StreamGap, StreamReader
+from libs.protocol import Finished, TokenDelta, Usage, encode
+
+pytestmark = pytest.mark.integration
+
+
+def delta(seq: int, text: str) -> bytes:
+    return encode(TokenDelta(seq=seq, request_id="r", text=text, token_ids=[seq]))
+
+
+async def test_reordered_and_duplicated_messages_come_out_in_order(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.order", 5, 5) as reader:
+        for seq in (2, 1, 1, 3):
+            await nc.publish("sr.order", delta(seq, str(seq)))
+        await nc.publish("sr.order", encode(Finished(seq=4, request_id="r", usage=Usage())))
+        got = [m async for m in reader.messages()]
+    assert [m.seq for m in got] == [1, 2, 3, 4] and reader.stats.duplicates == 1
+    await nc.close()
+
+
+async def test_a_lost_message_is_a_gap_after_the_gap_timeout_not_the_idle_timeout(
+    nats_url: str,
+) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.gap", 5, 60, gap_timeout_s=0.3) as reader:
+        await nc.publish("sr.gap", delta(1, "a"))
+        await nc.publish("sr.gap", delta(3, "c"))  # seq 2 never comes; the stream goes quiet
+        t0 = time.monotonic()
+        got = []
+        with pytest.raises(StreamGap) as gap:
+            async for m in reader.messages():
+                got.append(m)
+    assert [m.seq for m in got] == [1]
+    assert (gap.value.expected, gap.value.got) == (2, 3)
+    assert time.monotonic() - t0 < 2.0
+    await nc.close()

@@ -1,0 +1,113 @@
+"""The fault campaign's helpers (bench/chaos.py): no fleet, no NATS."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bench.chaos import (
+    Call,
+    Load,
+    malformed_payloads,
+    parse_metric,
+    pct,
+    reference,
+    table,
+)
+from libs.protocol import GenerateRequest, ProtocolError, decode
+
+pytestmark = pytest.mark.unit
+
+VALID = {"v": 1, "request_id": "junk", "model": "m", "prompt": "x", "sampling": {"max_tokens": 2}}
+
+
+def test_parse_metric_sums_labelled_samples_and_skips_longer_names() -> None:
+    text = (
+        "# TYPE strait_worker_running_requests gauge\n"
+        "strait_worker_running_requests 3.0\n"
+        'strait_gateway_migrations_total{pool="a"} 2.0\n'
+        'strait_gateway_migrations_total{pool="b"} 1.0\n'
+        "strait_gateway_migrations_total_created 1.7e9\n"
+    )
+    assert parse_metric(text, "strait_worker_running_requests") == 3.0
+    assert parse_metric(text, "strait_gateway_migrations_total") == 3.0
+    assert parse_metric(text, "absent") == 0.0
+
+
+def test_pct() -> None:
+    assert pct([], 0.5) is None
+    assert pct([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert pct([3.0, 1.0, 2.0], 1.0) == 3.0
+
+
+def test_malformed_payloads_are_refused_by_the_decoder() -> None:
+    payloads = malformed_payloads(random.Random(1), VALID, 600, oversized=False)
+    assert len(payloads) == 600
+    refused = 0
+    for p in payloads:
+        try:
+            decode(p, GenerateRequest)
+        except (ProtocolError, TypeError):  # TypeError: a `v` the decoder cannot hash
+            refused += 1
+    # A few wrong-typed fields are still valid requests (e.g. "sampling": {} is all defaults).
+    assert refused >= 0.95 * len(payloads)
+    assert max(len(p) for p in payloads) < 2**20
+    big = malformed_payloads(random.Random(1), VALID, 600, oversized=True)
+    assert max(len(p) for p in big) >= 2**20
+
+
+async def test_reference_is_the_fake_engines_deterministic_answer() -> None:
+    a = await reference("Write a haiku about the number 3.", 3, 20)
+    assert a == await reference("Write a haiku about the number 3.", 3, 20)
+    assert len(a.split()) == 20
+    assert a != await reference("Write a haiku about the number 3.", 4, 20)
+
+
+def test_sse_events_fill_a_call() -> None:
+    load = Load.__new__(Load)
+    c = Call(0, "http", seed=0)
+
+    def ev(obj: object) -> bytes:
+        return b"data: " + json.dumps(obj).encode()
+
+    delta = {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}
+    assert not load.on_event(c, ev(delta))
+    assert not load.on_event(
+        c, ev({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    )
+    assert not load.on_event(c, ev({"choices": [], "usage": {"completion_tokens": 1}}))
+    assert load.on_event(c, b"data: [DONE]")
+    assert (c.texts, c.usage, c.status) == (["a"], 1, "ok")
+    err = Call(1, "http", seed=1)
+    assert load.on_event(err, ev({"error": {"code": "worker_lost", "message": "gone"}}))
+    assert (err.status, err.error) == ("failed", "sse worker_lost")
+
+
+def test_table_has_one_row_per_scenario() -> None:
+    row = {
+        "scenario": "kill-worker",
+        "streams": 40,
+        "requests": 100,
+        "completed": 99,
+        "migrated": 10,
+        "failed": 1,
+        "failed_by": {"sse worker_lost": 1},
+        "hangs": 0,
+        "bad_text": 0,
+        "ledger_lost": 0,
+        "ledger_wrong": 0,
+        "held_after_total": 0,
+        "crashed": [],
+        "router_consumer": {"ack_pending": 0},
+        "stalled": 10,
+        "open_at_fault": 40,
+        "stall_s": [1.4, 1.5],
+        "ttft_after_s": [0.01, None],
+    }
+    lines = table([row]).splitlines()
+    assert len(lines) == 3
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert "| kill-worker | 40 | 100 | 99 | 10 | 1 (sse worker_lost: 1) |" in lines[2]
+    assert "1.40 / 1.50" in lines[2] and "0.01 / –" in lines[2]
