@@ -198,7 +198,9 @@ class StreamReader:
     ``ErrorMessage``. Raises ``TimeoutError`` on silence and ``StreamGap`` when an earlier seq
     is still missing ``gap_timeout_s`` after a later one arrived (a message lost, e.g. published
     while this connection was re-subscribing after a reconnect), or when the terminal message
-    arrives and the gap does not fill within that time.
+    arrives and the gap does not fill within that time. After the connection reconnected, a
+    started stream silent for ``gap_timeout_s`` is such a gap too (its remaining messages may
+    all have been lost), instead of a wait for ``idle_timeout_s``.
     """
 
     def __init__(
@@ -215,6 +217,7 @@ class StreamReader:
         self._first_timeout = first_timeout_s
         self._idle_timeout = idle_timeout_s
         self._gap_timeout = gap_timeout_s
+        self._reconnects = 0
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=max_pending)
         self._sub: Subscription | None = None
         self.stats = StreamStats()
@@ -230,6 +233,7 @@ class StreamReader:
                     log.warning("stream reader queue full", extra=fields(subject=self.subject))
                 self.overflowed = True
 
+        self._reconnects = self._nc.stats["reconnects"]
         self._sub = await self._nc.subscribe(self.subject, cb=on_msg)
         # Make sure the server knows the subscription before anyone publishes to it.
         await self._nc.flush()
@@ -248,6 +252,11 @@ class StreamReader:
         """Messages received and not yet taken by :meth:`messages`."""
         return self._queue.qsize()
 
+    def _reconnected(self) -> bool:
+        """The connection reconnected since this reader subscribed: messages published while
+        it re-subscribed are lost for good (core NATS keeps nothing)."""
+        return self._nc.stats["reconnects"] != self._reconnects
+
     async def messages(self) -> AsyncIterator[StreamMessage]:
         expected = 1
         held: dict[int, StreamMessage] = {}
@@ -255,6 +264,10 @@ class StreamReader:
         while True:
             if self.overflowed:
                 raise StreamGap(expected, -1)
+            if expected > 1 and self._queue.empty() and self._reconnected():
+                # A started stream after a reconnect: silence past gap_timeout_s is taken as
+                # lost messages (a clear error now), not waited out for idle_timeout_s.
+                timeout = min(timeout, self._gap_timeout)
             # A message already queued is taken at once: wait_for costs a task per call, and a
             # gateway streaming thousands of tokens a second pays it once per token.
             if self._queue.empty():
@@ -266,7 +279,12 @@ class StreamReader:
                     except TimeoutError:
                         raise StreamGap(expected, min(held)) from None
                 else:
-                    data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+                    try:
+                        data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
+                    except TimeoutError:
+                        if expected > 1 and self._reconnected():
+                            raise StreamGap(expected, -1) from None
+                        raise
             else:
                 data = self._queue.get_nowait()
             timeout = self._idle_timeout

@@ -105,16 +105,18 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             log.exception("re-placement failed", extra=fields(worker_id=worker_id))
 
     async def sweep() -> None:
-        cut_off = False
+        reconnects = nc.stats["reconnects"]
         while True:
             await asyncio.sleep(s.router.sweep_interval_s)
             if not nc.is_connected:
                 # No beats can arrive: expiring now would move every request of live workers.
-                cut_off = True
                 continue
-            if cut_off:
-                cut_off = False
+            if nc.stats["reconnects"] != reconnects:
+                # Back after a cut: workers get a whole TTL to beat again, and streams watched
+                # across the cut may have lost messages (they cannot seed a migration).
+                reconnects = nc.stats["reconnects"]
                 registry.refresh()
+                router.watch.reconnected()
             for gone in registry.expire():
                 log.info("worker expired", extra=fields(worker_id=gone))
                 spawn(replace(gone))

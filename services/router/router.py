@@ -364,6 +364,9 @@ class Router:
         if self.cfg.stall_timeout_s <= 0:
             return
         for w in self.watch.stalled(self.cfg.stall_timeout_s):
+            if not w.complete:  # its end was probably missed in a reconnect
+                await self.watch.forget(w.req.request_id)
+                continue
             if w.route is None or self.watch.streamed_unannounced(w):
                 continue
             worker_id = w.route.worker_id
@@ -382,6 +385,8 @@ class Router:
             refusal = f"{w.attempt} attempts (router.max_attempts)"
         elif w.streamed and w.req.sampling.n > 1:
             refusal = "requests with n > 1 do not migrate"
+        elif w.streamed and not w.complete:
+            refusal = "the router missed part of its stream in a NATS reconnect"
         if refusal:
             when = "mid-stream" if w.streamed else "before the first token"
             what = "stalled" if reason == "stalled" else "was lost"
@@ -407,12 +412,12 @@ class Router:
             )
             w.last_seq += 1
             await self.nc.publish(self.stream_subject(w.req), encode(marker))
-            # A worker that was only stalled must not resume the stream it no longer owns.
-            cancel = CancelRequest(request_id=rid, reason="migrated", worker_id=worker_id)
-            await self.nc.publish(self.subjects.cancel(rid), encode(cancel))
             metrics.MIGRATED.inc()
         else:
             metrics.REPLACED.inc()
+        # A worker that was only stalled must not resume a request it no longer owns.
+        cancel = CancelRequest(request_id=rid, reason="moved", worker_id=worker_id)
+        await self.nc.publish(self.subjects.cancel(rid), encode(cancel))
         log.info(
             "migrating request of a lost worker" if migration else "re-placing request",
             extra=fields(

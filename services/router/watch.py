@@ -62,6 +62,9 @@ class Watched:
     disaggregated: bool = False
     handed_off: bool = False
     deltas_at_placement: int = 0  # num_deltas when the current placement was made
+    # False once the router's connection reconnected while watching: stream messages may have
+    # been missed, so the tokens above cannot seed a migration.
+    complete: bool = True
 
     @property
     def streamed(self) -> bool:
@@ -175,6 +178,11 @@ class StreamWatch:
         now = time.monotonic() if now is None else now
         for rid in [r for r, w in self.watched.items() if now - w.seen > self.ttl_s]:
             await self.forget(rid)
+
+    def reconnected(self) -> None:
+        """The router's connection reconnected: what streamed meanwhile was missed."""
+        for w in self.watched.values():
+            w.complete = False
 
     def stalled(self, stall_s: float, now: float | None = None) -> list[Watched]:
         """Streams that began and then went silent for ``stall_s`` while placed (each reported

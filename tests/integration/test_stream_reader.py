@@ -45,3 +45,19 @@ async def test_a_lost_message_is_a_gap_after_the_gap_timeout_not_the_idle_timeou
     assert (gap.value.expected, gap.value.got) == (2, 3)
     assert time.monotonic() - t0 < 2.0
     await nc.close()
+
+
+async def test_after_a_reconnect_a_silent_started_stream_is_a_gap(nats_url: str) -> None:
+    """Messages published while the connection re-subscribed are gone for good: a started
+    stream that goes silent after a reconnect ends with a gap, not at the idle timeout."""
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.recon", 5, 60, gap_timeout_s=0.3) as reader:
+        await nc.publish("sr.recon", delta(1, "a"))
+        messages = reader.messages()
+        assert (await anext(messages)).seq == 1
+        nc.stats["reconnects"] += 1  # what nats-py counts when it reconnects
+        t0 = time.monotonic()
+        with pytest.raises(StreamGap):
+            await anext(messages)
+    assert time.monotonic() - t0 < 2.0
+    await nc.close()
