@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -257,6 +258,25 @@ class StreamReader:
         it re-subscribed are lost for good (core NATS keeps nothing)."""
         return self._nc.stats["reconnects"] != self._reconnects
 
+    async def _wait(self, timeout: float, expected: int, held: dict[int, StreamMessage]) -> bytes:
+        """The next message within ``timeout``, waited for in slices of ``gap_timeout_s``: a
+        missing ``seq`` (``held`` non-empty) gets one slice, and so does a started stream once
+        the connection has reconnected (its remaining messages may all have been lost)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await asyncio.wait_for(
+                    self._queue.get(), timeout=max(min(left, self._gap_timeout), 0.0)
+                )
+            except TimeoutError:
+                if held:
+                    raise StreamGap(expected, min(held)) from None
+                if expected > 1 and self._reconnected():
+                    raise StreamGap(expected, -1) from None
+                if time.monotonic() >= deadline:
+                    raise
+
     async def messages(self) -> AsyncIterator[StreamMessage]:
         expected = 1
         held: dict[int, StreamMessage] = {}
@@ -264,27 +284,10 @@ class StreamReader:
         while True:
             if self.overflowed:
                 raise StreamGap(expected, -1)
-            if expected > 1 and self._queue.empty() and self._reconnected():
-                # A started stream after a reconnect: silence past gap_timeout_s is taken as
-                # lost messages (a clear error now), not waited out for idle_timeout_s.
-                timeout = min(timeout, self._gap_timeout)
             # A message already queued is taken at once: wait_for costs a task per call, and a
             # gateway streaming thousands of tokens a second pays it once per token.
             if self._queue.empty():
-                if held:  # later messages wait on a missing one: it gets gap_timeout_s
-                    try:
-                        data = await asyncio.wait_for(
-                            self._queue.get(), timeout=min(timeout, self._gap_timeout)
-                        )
-                    except TimeoutError:
-                        raise StreamGap(expected, min(held)) from None
-                else:
-                    try:
-                        data = await asyncio.wait_for(self._queue.get(), timeout=timeout)
-                    except TimeoutError:
-                        if expected > 1 and self._reconnected():
-                            raise StreamGap(expected, -1) from None
-                        raise
+                data = await self._wait(timeout, expected, held)
             else:
                 data = self._queue.get_nowait()
             timeout = self._idle_timeout

@@ -3,6 +3,7 @@ waiting out the idle timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats
@@ -59,5 +60,23 @@ async def test_after_a_reconnect_a_silent_started_stream_is_a_gap(nats_url: str)
         t0 = time.monotonic()
         with pytest.raises(StreamGap):
             await anext(messages)
+    assert time.monotonic() - t0 < 2.0
+    await nc.close()
+
+
+async def test_a_reader_already_waiting_when_the_connection_reconnects_ends_the_gap(
+    nats_url: str,
+) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.wait", 5, 60, gap_timeout_s=0.3) as reader:
+        await nc.publish("sr.wait", delta(1, "a"))
+        messages = reader.messages()
+        assert (await anext(messages)).seq == 1
+        pending = asyncio.ensure_future(anext(messages))  # waiting, idle timeout 60 s
+        await asyncio.sleep(0.5)
+        nc.stats["reconnects"] += 1
+        t0 = time.monotonic()
+        with pytest.raises(StreamGap):
+            await pending
     assert time.monotonic() - t0 < 2.0
     await nc.close()
