@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from libs.protocol import (
     CHUNK_HEADER,
     ErrorMessage,
     Finished,
+    ResendRequest,
     StreamMessage,
     Subjects,
     decode_stream,
@@ -172,8 +174,10 @@ async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: floa
 
 
 # Seconds a reader holds later stream messages waiting for a missing one before it reports the
-# gap (core NATS does not redeliver; a reordering between publishers settles in milliseconds).
+# gap (core NATS does not redeliver; a reordering between publishers settles in milliseconds),
+# and after how long of a gap it asks the writer to resend.
 STREAM_GAP_TIMEOUT_S = 5.0
+RESEND_AFTER_S = 0.5
 
 
 class StreamGap(Exception):
@@ -189,6 +193,7 @@ class StreamGap(Exception):
 class StreamStats:
     duplicates: int = 0
     reordered: int = 0
+    resends: int = 0  # ResendRequests this reader published
 
 
 class StreamReader:
@@ -212,6 +217,7 @@ class StreamReader:
         idle_timeout_s: float,
         max_pending: int = 4096,
         gap_timeout_s: float = STREAM_GAP_TIMEOUT_S,
+        resend_subject: str = "",
     ) -> None:
         self._nc = nc
         self.subject = subject
@@ -219,6 +225,8 @@ class StreamReader:
         self._idle_timeout = idle_timeout_s
         self._gap_timeout = gap_timeout_s
         self._reconnects = 0
+        # Where to ask the stream's writer for missing messages ("" = never ask).
+        self._resend_subject = resend_subject
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=max_pending)
         self._sub: Subscription | None = None
         self.stats = StreamStats()
@@ -259,23 +267,45 @@ class StreamReader:
         return self._nc.stats["reconnects"] != self._reconnects
 
     async def _wait(self, timeout: float, expected: int, held: dict[int, StreamMessage]) -> bytes:
-        """The next message within ``timeout``, waited for in slices of ``gap_timeout_s``: a
-        missing ``seq`` (``held`` non-empty) gets one slice, and so does a started stream once
-        the connection has reconnected (its remaining messages may all have been lost)."""
+        """The next message within ``timeout``. A missing ``seq`` (``held`` non-empty), or a
+        started stream silent after the connection reconnected (its remaining messages may all
+        have been lost), is a gap: after ``RESEND_AFTER_S`` of it the writer is asked to send
+        again from ``expected`` (once per wait), and after ``gap_timeout_s`` it is a
+        StreamGap. Waits in slices so a reconnect during a long wait is noticed."""
         deadline = time.monotonic() + timeout
+        gap_since = 0.0
+        asked = False
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            gap = bool(held) or (expected > 1 and self._reconnected())
+            slice_s = RESEND_AFTER_S if gap else self._gap_timeout
             try:
                 return await asyncio.wait_for(
-                    self._queue.get(), timeout=max(min(left, self._gap_timeout), 0.0)
+                    self._queue.get(), timeout=max(min(deadline - now, slice_s), 0.0)
                 )
             except TimeoutError:
-                if held:
-                    raise StreamGap(expected, min(held)) from None
-                if expected > 1 and self._reconnected():
-                    raise StreamGap(expected, -1) from None
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if gap:
+                    gap_since = gap_since or now - RESEND_AFTER_S
+                    if now - gap_since >= self._gap_timeout:
+                        got = min(held) if held else -1
+                        raise StreamGap(expected, got) from None
+                    if not asked and self._resend_subject:
+                        asked = True
+                        self.stats.resends += 1
+                        await self._ask_resend(expected)
+                    continue
+                if now >= deadline:
                     raise
+
+    async def _ask_resend(self, from_seq: int) -> None:
+        rid = self._resend_subject.rsplit(".", 1)[-1]  # resend.<request_id>
+        try:
+            await self._nc.publish(
+                self._resend_subject, encode(ResendRequest(request_id=rid, from_seq=from_seq))
+            )
+        except Exception as e:  # reconnecting again: the gap timeout still ends the wait
+            log.warning("resend request failed", extra=fields(subject=self.subject, error=repr(e)))
 
     async def messages(self) -> AsyncIterator[StreamMessage]:
         expected = 1
@@ -300,22 +330,11 @@ class StreamReader:
                 self.stats.duplicates += 1
                 continue
             if msg.seq > expected:
+                # Held until the gap fills (``_wait`` asks for a resend, then gives up).
                 self.stats.reordered += 1
                 held[msg.seq] = msg
-                if isinstance(msg, Finished | ErrorMessage):
-                    # The end is here but an earlier message is missing: wait briefly for it.
-                    try:
-                        async with asyncio.timeout(min(self._idle_timeout, self._gap_timeout)):
-                            while expected not in held:
-                                more = decode_stream(await self._queue.get())
-                                if more.seq >= expected and more.seq not in held:
-                                    held[more.seq] = more
-                    except TimeoutError:
-                        raise StreamGap(expected, msg.seq) from None
-                else:
-                    continue
-            else:
-                held[msg.seq] = msg
+                continue
+            held[msg.seq] = msg
             while expected in held:
                 ready = held.pop(expected)
                 expected += 1
@@ -342,12 +361,16 @@ class StreamWriter:
         request_id: str,
         first_seq: int = 1,
         owner: Callable[[], bool] | None = None,
+        keep: int = 0,
     ) -> None:
         self._nc = nc
         self.subject = subject
         self.request_id = request_id
         self._seq = first_seq - 1  # a decode worker continues a stream a prefill worker began
         self._owner = owner
+        # The last ``keep`` messages sent, as (seq, bytes), for resend().
+        self.sent: deque[tuple[int, bytes]] = deque(maxlen=keep or None) if keep else deque()
+        self._keep = keep
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -360,7 +383,19 @@ class StreamWriter:
     async def send(self, msg: msgspec.Struct) -> None:
         if self._owner is not None and not self._owner():
             raise StreamTaken(self.request_id)
-        await self._nc.publish(self.subject, encode(msg))
+        data = encode(msg)
+        await self._nc.publish(self.subject, data)
+        if self._keep:
+            self.sent.append((getattr(msg, "seq", 0), data))
+
+    async def resend(self, from_seq: int) -> int:
+        """Publish again the kept messages from ``from_seq`` on; returns how many."""
+        if self._owner is not None and not self._owner():
+            return 0
+        again = [data for seq, data in self.sent if seq >= from_seq]
+        for data in again:
+            await self._nc.publish(self.subject, data)
+        return len(again)
 
 
 async def publish_chunks(

@@ -214,6 +214,17 @@ class AssignmentAck(Struct):
     reason: str = ""
 
 
+class ResendRequest(Struct, kw_only=True):
+    """A stream reader → ``Subjects.resend(request_id)`` when a ``seq`` is missing (a message
+    lost across a NATS reconnect): the worker writing the stream publishes again what it
+    still holds from ``from_seq`` on (the last ``worker.resend_window`` messages of each
+    stream, kept ``worker.resend_keep_s`` after it ends). Readers drop what they already have."""
+
+    v: int = PROTOCOL_VERSION
+    request_id: str
+    from_seq: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class CancelRequest(Struct):
     """Anyone → ``Subjects.cancel(request_id)``. Workers free the request's blocks."""
 
@@ -665,6 +676,13 @@ class Subjects:
     def cancel_all(self) -> str:
         return f"{self.prefix}.cancel.*"
 
+    def resend(self, request_id: str) -> str:
+        return f"{self.prefix}.resend.{request_id}"
+
+    @property
+    def resend_all(self) -> str:
+        return f"{self.prefix}.resend.*"
+
     def work(self, worker_id: str) -> str:
         return f"{self.prefix}.work.{worker_id}"
 
@@ -836,6 +854,7 @@ def validate_request(req: GenerateRequest) -> None:
 PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "GenerateRequest": GenerateRequest,
     "CancelRequest": CancelRequest,
+    "ResendRequest": ResendRequest,
     "StreamMessage": StreamMessage,  # type: ignore[dict-item]
     "Assignment": Assignment,
     "AssignmentAck": AssignmentAck,

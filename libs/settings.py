@@ -179,6 +179,10 @@ class WorkerSettings(BaseModel):
     # own later event for the same request id replaces it (the ledger keeps the latest).
     report_usage: bool = True
     usage_publish_timeout_s: float = 5.0
+    # Stream messages each stream keeps for readers that lost some (ResendRequest), and how
+    # long after the stream ends; 0: no resends.
+    resend_window: int = 256
+    resend_keep_s: float = 10.0
 
 
 class HandoffSettings(BaseModel):

@@ -408,7 +408,13 @@ class Generation:
                 param="prompt",
             )
         subject = c.subjects.stream(self.request_id)
-        reader = StreamReader(c.nc, subject, self.first_token_timeout_s, self.idle_timeout_s)
+        reader = StreamReader(
+            c.nc,
+            subject,
+            self.first_token_timeout_s,
+            self.idle_timeout_s,
+            resend_subject=c.subjects.resend(self.request_id),
+        )
         await reader.__aenter__()
         self._reader = reader
         self._started_at = time.perf_counter()

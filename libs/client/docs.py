@@ -46,6 +46,7 @@ from libs.protocol import (
     HandoffReply,
     HandoffResult,
     Migrated,
+    ResendRequest,
     Routed,
     RouteDecision,
     SamplingParams,
@@ -96,6 +97,15 @@ SUBJECTS: dict[str, SubjectDoc] = {
         True,
     ),
     "cancel_all": SubjectDoc((), "CancelRequest", "core NATS", "—", "workers", False),
+    "resend": SubjectDoc(
+        ("<request_id>",),
+        "ResendRequest",
+        "core NATS",
+        "stream readers (gateway, client library) missing a `seq`",
+        "the worker writing that stream",
+        True,
+    ),
+    "resend_all": SubjectDoc((), "ResendRequest", "core NATS", "—", "workers", False),
     "event": SubjectDoc(
         ("usage",),
         "UsageEvent",
@@ -259,7 +269,7 @@ ERRORS: dict[str, str] = {
 }  # fmt: skip
 
 MESSAGE_TABLES: list[type[Any]] = [
-    GenerateRequest, SamplingParams, CancelRequest, Routed, TokenDelta, Migrated, Finished,
+    GenerateRequest, SamplingParams, CancelRequest, ResendRequest, Routed, TokenDelta, Migrated, Finished,
     ErrorMessage,
     UsageEvent, RouteDecision,
 ]  # fmt: skip

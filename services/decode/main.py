@@ -84,6 +84,7 @@ async def run_worker(
     subs += [
         await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
         await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
+        await nc.subscribe(worker.subjects.resend_all, cb=worker.on_resend),
         await nc.subscribe(worker.subjects.drain(worker.worker_id), cb=on_drain),
     ]
     # Beats go on while draining (they say so, and keep the router from moving requests that

@@ -44,3 +44,6 @@ HANDOFF_SECONDS = Histogram(
 HANDOFF_CHUNKS_DROPPED = Counter(
     "strait_handoff_chunks_dropped_total", "KV chunks for unknown or malformed transfers"
 )
+RESENT = Counter(
+    "strait_worker_resent_messages_total", "Stream messages published again for a ResendRequest"
+)

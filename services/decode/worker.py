@@ -33,6 +33,7 @@ from libs.protocol import (
     HandoffOffer,
     KvEvent,
     ProtocolError,
+    ResendRequest,
     Routed,
     Subjects,
     Timings,
@@ -80,6 +81,10 @@ class Worker:
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
         self._usage_tasks: set[asyncio.Task[None]] = set()
+        # Stream writers of running requests, and of ended ones for worker.resend_keep_s
+        # (request id → writer, end time), for ResendRequests.
+        self.writers: dict[str, StreamWriter] = {}
+        self.ended_writers: OrderedDict[str, tuple[StreamWriter, float]] = OrderedDict()
         # When this worker last published a beat (monotonic; 0 before the first). Past the
         # router's worker_ttl_s without one, the router presumes it lost and moves its requests.
         self.last_beat_at = 0.0
@@ -141,6 +146,33 @@ class Worker:
             self.backend.abort(rid)
             task.cancel()
             metrics.CANCELLED.inc()
+
+    async def on_resend(self, msg: Msg) -> None:
+        """A reader lost stream messages: publish again what this worker still holds."""
+        try:
+            r = decode(msg.data, ResendRequest)
+        except ProtocolError as e:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+            return
+        rid = msg.subject.rsplit(".", 1)[-1]
+        held = self.writers.get(rid) or self.ended_writers.get(rid, (None, 0.0))[0]
+        if held is not None:
+            n = await held.resend(r.from_seq)
+            metrics.RESENT.inc(n)
+            log.info("resent", extra=fields(request_id=rid, from_seq=r.from_seq, messages=n))
+
+    def _keep_ended(self, rid: str) -> None:
+        """Keep an ended request's writer for ``worker.resend_keep_s`` (bounded by age)."""
+        out = self.writers.pop(rid, None)
+        now = time.monotonic()
+        keep_s = self.settings.worker.resend_keep_s
+        if out is not None and out.sent and keep_s > 0:
+            self.ended_writers[rid] = (out, now)
+        while self.ended_writers:
+            _, (_, ended) = next(iter(self.ended_writers.items()))
+            if now - ended <= keep_s:
+                break
+            self.ended_writers.popitem(last=False)
 
     async def _ack(self, msg: Msg, ack: AssignmentAck) -> None:
         if msg.reply:
@@ -295,7 +327,15 @@ class Worker:
         subject = req.reply_subject or self.subjects.stream(rid)
         mig = a.migration
         first_seq = handoff.next_seq if handoff else mig.next_seq if mig else 1
-        out = StreamWriter(self.nc, subject, rid, first_seq, owner=self.owns_streams)
+        out = StreamWriter(
+            self.nc,
+            subject,
+            rid,
+            first_seq,
+            owner=self.owns_streams,
+            keep=self.settings.worker.resend_window,
+        )
+        self.writers[rid] = out
         started = time.perf_counter()
         # Time to first token as the client sees it from the workers' side: a handed-off
         # request already spent prefill_s on the prefill worker.
@@ -423,6 +463,7 @@ class Worker:
         """A request's end, whatever it was: metrics, span status, the one INFO log line."""
         metrics.RUNNING.dec()
         metrics.REQUESTS.labels(status=status).inc()
+        self._keep_ended(rid)
         if status != "ok":
             span.set_status(trace.StatusCode.ERROR, error_code)
         span.end()

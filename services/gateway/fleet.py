@@ -100,6 +100,7 @@ class Fleet:
             g.first_message_timeout_s,
             g.idle_timeout_s,
             max_pending=min(req.sampling.n * req.sampling.max_tokens + 16, STREAM_BUFFER_MAX),
+            resend_subject=self.subjects.resend(req.request_id),
         )
 
     async def publish(self, req: GenerateRequest) -> None:

@@ -9,8 +9,8 @@ import time
 import nats
 import pytest
 
-from libs.nats_util import StreamGap, StreamReader
-from libs.protocol import Finished, TokenDelta, Usage, encode
+from libs.nats_util import StreamGap, StreamReader, StreamWriter
+from libs.protocol import Finished, ResendRequest, TokenDelta, Usage, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -79,4 +79,29 @@ async def test_a_reader_already_waiting_when_the_connection_reconnects_ends_the_
         with pytest.raises(StreamGap):
             await pending
     assert time.monotonic() - t0 < 2.0
+    await nc.close()
+
+
+async def test_a_lost_message_is_sent_again_when_the_reader_asks(nats_url: str) -> None:
+    """A message that never reached the reader (sent into a reconnect): the reader asks
+    ``resend.<id>``, the writer publishes again what it kept, and the stream completes."""
+    nc = await nats.connect(nats_url)
+    out = StreamWriter(nc, "sr.lost", "lost", keep=16)
+
+    async def on_resend(msg: nats.aio.msg.Msg) -> None:
+        await out.resend(decode(msg.data, ResendRequest).from_seq)
+
+    await nc.subscribe("sr.resend.lost", cb=on_resend)
+    async with StreamReader(
+        nc, "sr.lost", 5, 60, gap_timeout_s=3, resend_subject="sr.resend.lost"
+    ) as reader:
+        await out.send(TokenDelta(seq=1, request_id="lost", text="a"))
+        out.sent.append((2, encode(TokenDelta(seq=2, request_id="lost", text="b"))))  # lost
+        out._seq = 2
+        await out.send(TokenDelta(seq=3, request_id="lost", text="c"))
+        await out.send(Finished(seq=4, request_id="lost", usage=Usage()))
+        got = [m async for m in reader.messages()]
+    assert [m.seq for m in got] == [1, 2, 3, 4]
+    assert "".join(m.text for m in got if isinstance(m, TokenDelta)) == "abc"
+    assert reader.stats.resends == 1
     await nc.close()

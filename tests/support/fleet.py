@@ -105,6 +105,7 @@ class InProcessFleet:
         subs = [
             await nc.subscribe(w.subjects.work(w.worker_id), cb=w.on_assignment),
             await nc.subscribe(w.subjects.cancel_all, cb=w.on_cancel),
+            await nc.subscribe(w.subjects.resend_all, cb=w.on_resend),
         ]
         stopping = asyncio.Event()
         beats = asyncio.create_task(w.beat_loop(stopping))
