@@ -50,6 +50,12 @@ from libs.telemetry import inject_headers
 log = logging.getLogger("strait.nats")
 
 
+def server_urls(url: str) -> list[str]:
+    """``nats.url`` may list a cluster's servers, comma-separated: the client connects to one
+    and fails over to the others (and to those the cluster announces)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(settings: NatsSettings, name: str) -> NATS:
     """Connect to ``settings.url``; retries the first connect a few times, then forever on loss."""
 
@@ -66,7 +72,7 @@ async def connect(settings: NatsSettings, name: str) -> NATS:
         log.info("nats connection closed", extra=fields(client=name))
 
     return await nats.connect(
-        servers=[settings.url],
+        servers=server_urls(settings.url),
         name=name,
         connect_timeout=settings.connect_timeout_s,
         max_reconnect_attempts=-1,

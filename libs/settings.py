@@ -26,6 +26,7 @@ STATE_DIR = Path(".strait")
 
 
 class NatsSettings(BaseModel):
+    # One server, or a cluster's servers comma-separated (clients fail over between them).
     url: str = "nats://127.0.0.1:4222"
     subject_prefix: str = "strait.v1"
     # Bytes; must not exceed the server's max_payload. `strait up` starts its own server with this.

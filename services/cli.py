@@ -138,10 +138,11 @@ def _drain(settings: Settings, worker_id: str, reason: str) -> int:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
+    from libs.nats_util import server_urls
     from libs.protocol import DrainRequest, Subjects, encode
 
     async def run() -> int:
-        nc = await nats.connect(settings.nats.url)
+        nc = await nats.connect(servers=server_urls(settings.nats.url))
         try:
             msg = DrainRequest(worker_id=worker_id, reason=reason)
             subject = Subjects(settings.nats.subject_prefix).drain(worker_id)

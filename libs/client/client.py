@@ -40,7 +40,7 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
-from libs.nats_util import StreamGap, StreamReader
+from libs.nats_util import StreamGap, StreamReader, server_urls
 from libs.protocol import (
     CancelRequest,
     ChatMessage,
@@ -189,7 +189,7 @@ class StraitClient:
     async def connect(self) -> StraitClient:
         if self._nc is None:
             self._nc = await nats.connect(
-                servers=[self._url],
+                servers=server_urls(self._url),
                 name=self.name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
