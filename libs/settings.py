@@ -118,7 +118,9 @@ class ClassifierSettings(BaseModel):
 
 
 class RouterSettings(BaseModel):
-    # Beats older than this drop a worker from the registry.
+    # Beats older than this drop a worker from the registry (and its requests move). Workers
+    # read it too: one that sent no beat for this long stops writing its streams, so give
+    # every component the same value.
     worker_ttl_s: float = 1.5
     # Seconds a worker has to accept an assignment before the router tries another.
     assign_timeout_s: float = 2.0
