@@ -41,6 +41,16 @@ seconds of its send, or it is a hang. Per scenario:
   silence p50 / max: what the fault cost a client that kept its stream; TTFT after: time to
   first token of the requests sent after the fault.
 
+Two scenarios change the fleet itself. ``postgres-outage`` puts the ledger on a PostgreSQL of
+its own (``initdb`` under the scenario's directory, as the ``postgres`` user via ``runuser`` when
+run as root, a free port; never the shared server), stops it (``pg_ctl stop -m fast``) at the
+fault for ``PG_DOWN_S`` while new requests go on until ``after`` s past its return, then waits
+for the ledger to catch up; it prints a ``skipped: <why>`` row where no PostgreSQL can run.
+``nats-cluster`` runs three nats-servers in one cluster with every stream at 3 replicas, gives
+every process the three URLs, and SIGKILLs the server most fleet processes are connected to.
+Every scenario also reads the usage events back from JetStream and compares them with the
+ledger's rows (JSON: ``usage_events``, ``events_without_row``, ``rows_without_event``, ...).
+
 The process logs stay in the run directory printed at the start (evidence for any row).
 Everything shares one machine (2 cores where docs/reliability.md was measured).
 """
@@ -52,7 +62,9 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -61,17 +73,20 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from libs.nats_util import server_urls
 from tests.support.procs import ProcessFleet
 from tests.support.services import free_port, nats_binary, wait_port
 
 MODEL = "fake-model"
+ROUTE_RETRY = "Error trying to connect to route"
 STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
 SCENARIOS = [
     "kill-worker",
@@ -82,7 +97,11 @@ SCENARIOS = [
     "kill-gateway",
     "restart-nats",
     "malformed",
+    "postgres-outage",
+    "nats-cluster",
 ]
+PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
+PG_CATCHUP_S = 60.0  # postgres-outage: bound on the wait for the ledger to catch up after
 
 
 @dataclass
@@ -125,6 +144,14 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def live_url(self) -> str:
+        return self.url
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return [Path(self.log.name)]
+
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT
@@ -140,6 +167,293 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """A coroutine run to its end from synchronous code (also inside a running event loop)."""
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
+
+
+class NatsCluster:
+    """``n`` JetStream nats-servers on this machine forming one cluster: each with its own store
+    dir, ``server_name`` ``n<i>``, client, cluster and monitoring ports, and routes to the others.
+    ``start`` waits for a JetStream meta leader and creates Strait's streams with ``replicas``
+    copies; ``url`` lists every server, comma-separated (``nats.url`` of the fleet)."""
+
+    def __init__(self, tmp: Path, n: int = 3, replicas: int = 3) -> None:
+        binary = nats_binary()
+        if binary is None:
+            raise SystemExit("nats-server not found next to the Python executable (.venv/bin)")
+        self.binary, self.n, self.replicas = binary, n, replicas
+        self.ports = [free_port() for _ in range(n)]
+        self.cluster_ports = [free_port() for _ in range(n)]
+        self.http_ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.killed: list[int] = []
+        self.confs: list[Path] = []
+        self.logs = [open(tmp / f"nats-server{i}.log", "ab") for i in range(n)]
+        self.info: dict[str, Any] = {}  # what the scenario saw of the cluster (for the JSON)
+        for i in range(n):
+            store = tmp / f"nats{i}"
+            store.mkdir(parents=True, exist_ok=True)
+            routes = ", ".join(
+                f'"nats://127.0.0.1:{p}"' for j, p in enumerate(self.cluster_ports) if j != i
+            )
+            conf = store / "nats.conf"
+            conf.write_text(
+                f'server_name: "n{i}"\nlisten: "127.0.0.1:{self.ports[i]}"\n'
+                f'http: "127.0.0.1:{self.http_ports[i]}"\nmax_payload: {8 * 1024 * 1024}\n'
+                f'jetstream {{ store_dir: "{store}" }}\n'
+                f'cluster {{\n  name: "strait-chaos"\n  listen: "127.0.0.1:{self.cluster_ports[i]}"'
+                f"\n  routes: [{routes}]\n}}\n"
+            )
+            self.confs.append(conf)
+
+    def node_url(self, i: int) -> str:
+        return f"nats://127.0.0.1:{self.ports[i]}"
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.node_url(i) for i in range(self.n))
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+
+    @property
+    def live_url(self) -> str:
+        return ",".join(self.node_url(i) for i in self.alive())
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return [Path(f.name) for f in self.logs]
+
+    def start(self) -> None:
+        for i in range(self.n):
+            self.procs[i] = subprocess.Popen(
+                [self.binary, "-c", str(self.confs[i])],
+                stdout=self.logs[i],
+                stderr=subprocess.STDOUT,
+            )
+        for port in self.ports:
+            if not wait_port(port, 15):
+                raise RuntimeError(f"nats-server on {port} did not start")
+        self.info["meta_leader_at_start"] = self.wait_meta_leader(30.0)
+        run_sync(self.provision(30.0))
+
+    def monitor(self, i: int, path: str) -> dict[str, Any] | None:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{self.http_ports[i]}/{path}", timeout=1)
+            return dict(r.json())
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def meta_leader(self) -> str | None:
+        """The JetStream meta leader every live server agrees on (None: no agreement yet)."""
+        views = [(self.monitor(i, "jsz") or {}).get("meta_cluster") or {} for i in self.alive()]
+        leaders = {v.get("leader") or "" for v in views}
+        return leaders.pop() if len(leaders) == 1 and "" not in leaders else None
+
+    def wait_meta_leader(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (leader := self.meta_leader()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the NATS cluster elected no JetStream meta leader")
+            time.sleep(0.2)
+        return leader
+
+    async def provision(self, timeout: float) -> None:
+        """Strait's streams with ``replicas`` copies (retried while the peers catch up)."""
+        import nats
+
+        from libs.nats_util import provision
+        from libs.settings import NatsSettings
+
+        settings = NatsSettings(url=self.url, stream_replicas=self.replicas)
+        nc = await nats.connect(servers=server_urls(self.url), name="chaos-provision")
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    await provision(nc.jetstream(timeout=5), settings)
+                    return
+                except Exception as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"streams not created on the cluster: {e!r}") from e
+                    await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+
+    def connections(self) -> list[list[str]]:
+        """Names of the client connections on each server (the harness's own are ``chaos-*``);
+        [] for a server that does not answer."""
+        out = []
+        for i in range(self.n):
+            conns = (self.monitor(i, "connz?limit=4096") or {}).get("connections") or []
+            out.append([str(c.get("name") or "") for c in conns])
+        return out
+
+    def kill(self, i: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        self.killed.append(i)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class SqliteLedger:
+    """The fleet's default ledger: SQLite in the scenario's directory (ProcessFleet's URL)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.env: dict[str, str] = {}
+
+    async def rows(self) -> Rows:
+        return await asyncio.to_thread(ledger_rows, self.path)
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of the scenario's own (never the shared one on 5432): a data dir under
+    ``root`` made by ``initdb`` with trust auth, its unix socket in ``root``, TCP on a free port
+    of 127.0.0.1, database ``strait``. As root everything runs as the ``postgres`` user through
+    ``runuser`` (initdb refuses root), and ``root`` is chowned to it. ``stop`` and ``start`` keep
+    the data; ``close`` stops it whatever state it is in."""
+
+    DB = "strait"
+
+    def __init__(self, root: Path, traverse: list[Path] | None = None) -> None:
+        self.root = root
+        self.data = root / "data"
+        self.log = root / "postgres.log"
+        self.port = free_port()
+        self.traverse = traverse or []  # dirs above root the postgres user must be able to cross
+        self.bin = {n: self.find(n) for n in ("initdb", "pg_ctl", "postgres")}
+        self.prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.events: list[tuple[str, float]] = []  # ("stop" | "start", perf_counter)
+        self.info: dict[str, Any] = {}  # what the scenario saw (for the JSON)
+
+    @staticmethod
+    def find(name: str) -> str | None:
+        found = shutil.which(name)
+        if found:
+            return found
+        versions = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True)
+        return str(versions[0]) if versions else None
+
+    def unavailable(self) -> str:
+        """Why this machine cannot run one ("" when it can)."""
+        missing = [n for n, b in self.bin.items() if b is None]
+        if missing:
+            return f"no {', '.join(missing)} (PostgreSQL server binaries) found"
+        if self.prefix:
+            if shutil.which("runuser") is None:
+                return "running as root without runuser (initdb refuses to run as root)"
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                return "running as root and there is no postgres user to run initdb as"
+        try:
+            import asyncpg  # noqa: F401
+        except ImportError:
+            return "asyncpg (the ledger's PostgreSQL driver) is not installed"
+        return ""
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{self.DB}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"DATABASE_URL": self.url}
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.prefix, *args], cwd=self.root, capture_output=True, text=True, timeout=120
+        )
+
+    def setup(self) -> None:
+        """initdb, start, create the database."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.prefix:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+            for d in self.traverse:  # mkdtemp's 0700 run dir: let postgres cross it
+                os.chmod(d, os.stat(d).st_mode | 0o001)
+        r = self.run(
+            str(self.bin["initdb"]),
+            *("-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"),
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"initdb failed: {(r.stderr or r.stdout)[-500:]}")
+        self.start()
+        run_sync(self.create_db())
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        r = self.run(
+            str(self.bin["pg_ctl"]),
+            *("-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o", opts, "start"),
+        )
+        self.events.append(("start", time.perf_counter()))
+        if r.returncode != 0:
+            raise RuntimeError(f"pg_ctl start failed: {(r.stderr or r.stdout)[-500:]}")
+
+    def stop(self, mode: str = "fast") -> bool:
+        self.events.append(("stop", time.perf_counter()))
+        r = self.run(
+            str(self.bin["pg_ctl"]), *("-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+        )
+        return r.returncode == 0
+
+    def close(self) -> None:
+        """Stopped, whatever happened before (fast, then immediate, then SIGKILL)."""
+        pidfile = self.data / "postmaster.pid"
+        for mode in ("fast", "immediate"):
+            if not pidfile.exists():
+                return
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                self.stop(mode)
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+
+    async def connect(self, db: str | None = None) -> Any:
+        import asyncpg
+
+        return await asyncpg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", database=db or self.DB, timeout=5
+        )
+
+    async def create_db(self) -> None:
+        con = await self.connect("postgres")
+        try:
+            await con.execute(f"CREATE DATABASE {self.DB}")
+        finally:
+            await con.close()
+
+    async def rows(self) -> Rows:
+        try:
+            con = await self.connect()
+        except Exception:
+            return {}
+        try:
+            return {r[0]: (r[1], r[2], r[3]) for r in await con.fetch(ROWS_SQL)}
+        except Exception:
+            return {}
+        finally:
+            await con.close()
 
 
 def config_toml(opts: Opts) -> str:
@@ -180,12 +494,19 @@ class Fleet:
         routers: int = 1,
         gateways: int = 1,
         worker_env: dict[int, dict[str, str]] | None = None,
+        nats: NatsServer | NatsCluster | None = None,
+        env: dict[str, str] | None = None,
+        ledger: SqliteLedger | PrivatePostgres | None = None,
     ) -> None:
+        """``nats``: a server or cluster (default: one server of its own); ``env``: for every
+        process; ``ledger``: where the gateway's ledger writer writes (default: SQLite)."""
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.opts = tmp, opts
         self.n_workers, self.n_routers, self.n_gateways = workers, routers, gateways
         self.worker_env = worker_env or {}
-        self.nats = NatsServer(tmp)
+        self.nats = nats or NatsServer(tmp)
+        self.ledger = ledger or SqliteLedger(tmp / "strait.db")
+        self.env = {**self.ledger.env, **(env or {})}
         self.metrics_port: dict[str, int] = {}
         self.gateway_urls: list[str] = []
         self.expected_dead: set[str] = set()
@@ -194,18 +515,22 @@ class Fleet:
         self.pf: ProcessFleet | None = None
 
     def __enter__(self) -> Fleet:
-        self.nats.start()
-        workers = []
-        for i in range(self.n_workers):
-            port = self.metrics_port[f"worker{i}"] = free_port()
-            workers.append({"STRAIT_WORKER__METRICS_PORT": str(port), **self.worker_env.get(i, {})})
-        self.metrics_port["router"] = free_port()
-        env = {
-            "STRAIT_TELEMETRY__LOG_JSON": "true",
-            "STRAIT_ROUTER__METRICS_PORT": str(self.metrics_port["router"]),
-        }
-        self.pf = ProcessFleet(self.tmp, self.nats.url, config_toml(self.opts), env, workers)
         try:
+            # NATS first: a cluster's route connections take ephemeral ports, which must not
+            # be the free ports picked below.
+            self.nats.start()
+            workers = []
+            for i in range(self.n_workers):
+                port = self.metrics_port[f"worker{i}"] = free_port()
+                env_i = {"STRAIT_WORKER__METRICS_PORT": str(port), **self.worker_env.get(i, {})}
+                workers.append(env_i)
+            self.metrics_port["router"] = free_port()
+            env = {
+                "STRAIT_TELEMETRY__LOG_JSON": "true",
+                "STRAIT_ROUTER__METRICS_PORT": str(self.metrics_port["router"]),
+                **self.env,
+            }
+            self.pf = ProcessFleet(self.tmp, self.nats.url, config_toml(self.opts), env, workers)
             self.pf.__enter__()
             self.gateway_urls = [self.pf.base_url]
             for r in range(1, self.n_routers):
@@ -261,8 +586,12 @@ class Fleet:
     def signal(self, name: str, sig: signal.Signals, ends_it: bool = True) -> None:
         if ends_it:
             self.expected_dead.add(name)
-        self.t_fault = self.t_fault or time.perf_counter()
+        self.mark_fault()
         os.kill(self.procs[name].pid, sig)
+
+    def mark_fault(self) -> None:
+        """The fault happens now (a fault that is no signal to a fleet process)."""
+        self.t_fault = self.t_fault or time.perf_counter()
 
     def crashed(self) -> list[str]:
         return [
@@ -513,7 +842,8 @@ class Load:
         nc = None
         if self.opts.nats_every:
             nc = await nats.connect(
-                self.fleet.nats.url,
+                servers=server_urls(self.fleet.nats.url),
+                name="chaos-load",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 error_cb=quiet,  # a restarted server is expected here, not worth a traceback
@@ -565,23 +895,34 @@ async def reference(prompt: str, seed: int, max_tokens: int) -> str:
     return _REFERENCE[key]
 
 
-def ledger_rows(db: Path) -> dict[str, tuple[str, int]]:
+Rows = dict[str, tuple[str, int, str]]  # request_id -> (status, completion_tokens, source)
+ROWS_SQL = "SELECT request_id, status, completion_tokens, source FROM requests"
+
+
+def ledger_rows(db: Path) -> Rows:
     try:
         with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as con:
-            rows = con.execute("SELECT request_id, status, completion_tokens FROM requests")
-            return {rid: (status, n) for rid, status, n in rows}
+            return {rid: (status, n, src) for rid, status, n, src in con.execute(ROWS_SQL)}
     except sqlite3.Error:
         return {}
 
 
-async def router_consumer(url: str) -> dict[str, Any]:
-    """The routers' requests consumer: messages never acked (a poison message stays there)."""
+async def router_consumer(
+    url: str, stream: str = "STRAIT_REQUESTS", durable: str = "router"
+) -> dict[str, Any]:
+    """The routers' requests consumer: messages never acked (a poison message stays there);
+    any other durable consumer with ``stream`` and ``durable`` (the ledger's)."""
     from nats.aio.client import Client as NATS
 
     nc = NATS()
     try:
-        await nc.connect(url, max_reconnect_attempts=1, connect_timeout=2)
-        info = await nc.jetstream().consumer_info("STRAIT_REQUESTS", "router")
+        await nc.connect(
+            servers=server_urls(url),
+            name="chaos-measure",
+            max_reconnect_attempts=1,
+            connect_timeout=2,
+        )
+        info = await nc.jetstream().consumer_info(stream, durable)
         return {
             "ack_pending": info.num_ack_pending or 0,
             "redelivered": info.num_redelivered or 0,
@@ -631,15 +972,19 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
     await asyncio.sleep(2.0)
     held = {w: await fleet.running(w) for w in fleet.live_workers()}
     # Ledger: wait (a bounded while) for the rows of completed requests.
-    db = fleet.tmp / "strait.db"
     deadline = time.monotonic() + 15
     while True:
-        rows = ledger_rows(db)
+        rows = await fleet.ledger.rows()
         lost = [c for c in done if rows.get(c.request_id, ("", 0))[0] != "ok"]
         if not lost or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
-    consumer = await router_consumer(fleet.nats.url)
+    consumer = await router_consumer(fleet.nats.live_url)
+    try:
+        events = await usage_events(fleet.nats.live_url)
+        vs_events = ledger_vs_events(rows, events, {c.request_id for c in calls})
+    except Exception as e:
+        vs_events = {"usage_events_error": repr(e)[:200]}
     wrong = [c for c in done if c.request_id in rows and rows[c.request_id][1] != c.usage]
     # Requests whose client saw a failure but the fleet finished them (a worker's own usage
     # event records the work done: a killed gateway's streams, for one).
@@ -694,10 +1039,22 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         "router_consumer": consumer,
         "nats_server_errors": [
             line.split("] ", 2)[-1][:200]
-            for line in (fleet.tmp / "nats-server.log").read_text(errors="replace").splitlines()
-            if "[ERR]" in line
+            for path in fleet.nats.log_paths
+            for line in path.read_text(errors="replace").splitlines()
+            if "[ERR]" in line and ROUTE_RETRY not in line
         ][:10],
+        # A cluster's servers dialling a peer not up yet (start-up) or gone (the fault).
+        "nats_route_retries": sum(
+            path.read_text(errors="replace").count(ROUTE_RETRY) for path in fleet.nats.log_paths
+        ),
+        "nats_reconnects_logged": dict(
+            Counter(r["_proc"] for r in fleet.log_lines("") if r.get("msg") == "nats reconnected")
+        ),
+        "worker_resent_logged": sum(
+            1 for r in fleet.log_lines("worker") if r.get("msg") == "resent"
+        ),
         "by_path": {p: Counter(c.status for c in calls if c.path == p) for p in ("http", "nats")},
+        **vs_events,
         "logs": str(fleet.tmp),
     }
 
@@ -707,10 +1064,12 @@ async def run_scenario(
     opts: Opts,
     fault: Callable[[Fleet, Load], Coroutine[Any, Any, None]] | None,
     settle: float = 0.0,
+    before_measure: Callable[[Fleet, Load], Coroutine[Any, Any, dict[str, Any]]] | None = None,
     **fleet_kw: Any,
 ) -> dict[str, Any]:
     """One scenario on a fleet of its own; ``settle``: seconds to wait after the load before
-    measuring (for what happens later, such as a redelivery)."""
+    measuring (for what happens later, such as a redelivery); ``before_measure``: the
+    scenario's own wait and figures, merged into its row."""
     t0 = time.monotonic()
     print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
     with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
@@ -718,13 +1077,16 @@ async def run_scenario(
         print(f"[{name}] load: {opts.streams} streams", file=sys.stderr, flush=True)
         t_fault = await load.run((lambda: fault(fleet, load)) if fault else None)
         await asyncio.sleep(settle)
-        row = await measure(name, fleet, load, t_fault)
+        extra = await before_measure(fleet, load) if before_measure else {}
+        row = await measure(name, fleet, load, t_fault) | extra
     row["wall_s"] = round(time.monotonic() - t0, 1)
     print(f"[{name}] done in {row['wall_s']} s: {short(row)}", file=sys.stderr, flush=True)
     return row
 
 
 def short(r: dict[str, Any]) -> str:
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
     return (
         f"{r['completed']}/{r['requests']} completed, {r['migrated']} migrated, "
         f"{r['failed']} failed, {r['hangs']} hangs, {r['bad_text']} bad text"
@@ -867,7 +1229,9 @@ async def malformed(opts: Opts) -> dict[str, Any]:
 
     async def fault(fleet: Fleet, load: Load) -> None:
         nc = NATS()
-        await nc.connect(fleet.nats.url, max_reconnect_attempts=3)
+        await nc.connect(
+            servers=server_urls(fleet.nats.url), name="chaos-malformed", max_reconnect_attempts=3
+        )
         js = nc.jetstream()
         sent: Counter[str] = Counter()
         try:
@@ -898,6 +1262,239 @@ async def malformed(opts: Opts) -> dict[str, Any]:
     return await run_scenario("malformed", opts, fault)
 
 
+async def postgres_outage(opts: Opts) -> dict[str, Any]:
+    """The ledger on a PostgreSQL of the scenario's own; ``pg_ctl stop -m fast`` at the fault,
+    down PG_DOWN_S while the load goes on (new requests until ``after`` s past its return), then
+    started again; measured once the ledger has caught up (its consumer drained, the row count
+    steady; at most PG_CATCHUP_S). Skipped, with the reason, where no PostgreSQL can be run."""
+    name = "postgres-outage"
+    tmp = opts.run_dir / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    pg = PrivatePostgres(tmp / "postgres", traverse=[opts.run_dir, tmp])
+    why = pg.unavailable()
+    if why:
+        return skipped(name, opts, why)
+    try:
+        try:
+            await asyncio.to_thread(pg.setup)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            return skipped(name, opts, f"the private PostgreSQL did not start: {e}")
+        print(f"[{name}] private PostgreSQL on 127.0.0.1:{pg.port}", file=sys.stderr, flush=True)
+
+        async def fault(fleet: Fleet, load: Load) -> None:
+            fleet.mark_fault()
+            stopped = await asyncio.to_thread(pg.stop)
+            print(f"[{name}] PostgreSQL stopped ({stopped})", file=sys.stderr, flush=True)
+            assert fleet.t_fault is not None
+            await asyncio.sleep(max(0.0, PG_DOWN_S - (time.perf_counter() - fleet.t_fault)))
+            await asyncio.to_thread(pg.start)
+            t_back = time.perf_counter()
+            print(f"[{name}] PostgreSQL started again", file=sys.stderr, flush=True)
+            # While the load goes on: when are the rows of every request completed before the
+            # restart (its backlog) in the table?
+            backlog = {c.request_id for c in load.calls if c.status == "ok"}
+            deadline = time.monotonic() + PG_CATCHUP_S
+            while time.monotonic() < deadline:
+                missing = backlog - set(await pg.rows())
+                if not missing:
+                    pg.info["backlog_written_s_after_restart"] = round(
+                        time.perf_counter() - t_back, 1
+                    )
+                    break
+                await asyncio.sleep(0.5)
+            pg.info["backlog_requests"] = len(backlog)
+
+        async def catch_up(fleet: Fleet, load: Load) -> dict[str, Any]:
+            return await ledger_catchup(fleet, pg, load)
+
+        run_opts = replace(opts, after=PG_DOWN_S + opts.after)
+        return await run_scenario(name, run_opts, fault, before_measure=catch_up, ledger=pg)
+    finally:
+        await asyncio.to_thread(pg.close)
+
+
+async def ledger_catchup(fleet: Fleet, pg: PrivatePostgres, load: Load) -> dict[str, Any]:
+    """Wait until the ledger consumer has nothing pending or unacked and the row count held
+    still between two polls (at most PG_CATCHUP_S)."""
+    t_back = max((t for what, t in pg.events if what == "start"), default=time.perf_counter())
+    deadline = time.monotonic() + PG_CATCHUP_S
+    last, polls, drained_by = -1, 0, None
+    consumer: dict[str, Any] = {}
+    while True:
+        n = len(await pg.rows())
+        consumer = await router_consumer(fleet.nats.live_url, "STRAIT_EVENTS", "ledger")
+        drained = consumer.get("pending") == 0 and consumer.get("ack_pending") == 0
+        polls += 1
+        if drained and n == last:
+            drained_by = time.perf_counter() - t_back
+            break
+        if time.monotonic() > deadline:
+            break
+        last = n
+        await asyncio.sleep(1.0)
+    failures = [r for r in fleet.log_lines("gateway") if str(r.get("msg")).startswith("ledger")]
+    return pg.info | {
+        "ledger_drained_by_s_after_restart": None if drained_by is None else round(drained_by, 1),
+        "ledger_catchup_polls": polls,
+        "ledger_consumer": consumer,
+        "ledger_log": dict(Counter(r["msg"] for r in failures)),
+        "new_requests_s": round(load.opts.fault_at + load.opts.after, 1),
+    }
+
+
+def ledger_vs_events(rows: Rows, events: list[tuple[int, Any]], ids: set[str]) -> dict[str, Any]:
+    """The ledger's rows against the usage events in JetStream (every request id with an event
+    has one row, no row lacks one, tokens agree), and rows holding a worker's own event although
+    the gateway's or client's, later (``finished_at``), is in the stream too (the row the
+    ledger's docstring says the latter replaces)."""
+    by_id: dict[str, list[tuple[int, Any]]] = {}
+    for seq, ev in events:
+        by_id.setdefault(ev.request_id, []).append((seq, ev))
+    latest = {
+        rid: max((e for _, e in evs), key=lambda e: e.finished_at) for rid, evs in by_id.items()
+    }
+    differ = [r for r, ev in latest.items() if r in rows and rows[r][1] != ev.completion_tokens]
+    worker_won, worker_after = [], 0
+    for rid, evs in by_id.items():
+        if rid not in rows or rows[rid][2] != "worker":
+            continue
+        workers = [(seq, e) for seq, e in evs if e.source == "worker"]
+        others = [(seq, e) for seq, e in evs if e.source != "worker"]
+        if (
+            workers
+            and others
+            and max(e.finished_at for _, e in others) >= max(e.finished_at for _, e in workers)
+        ):
+            worker_won.append(rid)
+            worker_after += max(seq for seq, _ in workers) > max(seq for seq, _ in others)
+    return {
+        "ledger_rows": len(rows),
+        "ledger_rows_of_load": len(ids & set(rows)),
+        "ledger_rows_by_source": dict(Counter(r[2] for r in rows.values())),
+        "usage_events": len(events),
+        "usage_events_by_source": dict(Counter(e.source for _, e in events)),
+        "usage_event_request_ids": len(by_id),
+        "events_without_row": len(set(by_id) - set(rows)),
+        "events_without_row_ids": sorted(set(by_id) - set(rows))[:20],
+        "rows_without_event": len(set(rows) - set(by_id)),
+        "rows_tokens_differ_from_latest_event": len(differ),
+        "rows_worker_event_over_later_client_event": len(worker_won),
+        "rows_worker_event_over_later_client_event_ids": worker_won[:20],
+        "of_those_worker_event_later_in_stream": worker_after,
+    }
+
+
+async def usage_events(url: str) -> list[tuple[int, Any]]:
+    """Every usage event in the events stream (the gateways', the clients' and the workers'
+    own), read through an ephemeral consumer that acks nothing."""
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+    from nats.js.errors import FetchTimeoutError
+
+    from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
+
+    s = Subjects()
+    wanted = {s.event("usage"), s.worker_usage}
+    out: list[tuple[int, Any]] = []
+    nc = await nats.connect(
+        servers=server_urls(url), name="chaos-events", max_reconnect_attempts=1, connect_timeout=2
+    )
+    try:
+        js = nc.jetstream()
+        cfg = ConsumerConfig(
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=60
+        )
+        sub = await js.pull_subscribe(s.events_all, stream="STRAIT_EVENTS", config=cfg)
+        while True:
+            try:
+                msgs = await sub.fetch(1000, timeout=2)
+            except (FetchTimeoutError, TimeoutError):
+                break
+            for m in msgs:
+                if m.subject in wanted:
+                    with contextlib.suppress(ProtocolError):
+                        out.append((m.metadata.sequence.stream, decode(m.data, UsageEvent)))
+            if (await sub.consumer_info()).num_pending == 0:
+                break
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    finally:
+        await nc.close()
+    return out
+
+
+async def nats_cluster(opts: Opts) -> dict[str, Any]:
+    """Three JetStream nats-servers in one cluster, Strait's streams with 3 replicas, every
+    process given the three URLs; SIGKILL the server most fleet processes are connected to,
+    and leave it down."""
+    name = "nats-cluster"
+    tmp = opts.run_dir / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    cluster = NatsCluster(tmp, n=3, replicas=3)
+    env = {"STRAIT_NATS__STREAM_REPLICAS": "3", "STRAIT_NATS__URL": cluster.url}
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        conns = await asyncio.to_thread(cluster.connections)
+        fleet_conns = [[n for n in c if not n.startswith("chaos")] for c in conns]
+        victim = max(range(cluster.n), key=lambda i: (len(fleet_conns[i]), -i))
+        cluster.info["connections_before"] = {f"n{i}": sorted(c) for i, c in enumerate(conns)}
+        cluster.info["meta_leader_before"] = await asyncio.to_thread(cluster.meta_leader)
+        cluster.info["stream_leaders_before"] = await stream_leaders(cluster.url)
+        cluster.info["killed"] = f"n{victim}"
+        fleet.mark_fault()
+        cluster.kill(victim)
+        print(
+            f"[{name}] SIGKILL n{victim} (connections: {', '.join(conns[victim])})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    async def after(fleet: Fleet, load: Load) -> dict[str, Any]:
+        conns = await asyncio.to_thread(cluster.connections)
+        cluster.info["connections_after"] = {
+            f"n{i}": sorted(c) for i, c in enumerate(conns) if i in cluster.alive()
+        }
+        cluster.info["meta_leader_after"] = await asyncio.to_thread(cluster.meta_leader)
+        cluster.info["stream_leaders_after"] = await stream_leaders(cluster.live_url)
+        return {"nats_cluster": cluster.info}
+
+    return await run_scenario(name, opts, fault, before_measure=after, nats=cluster, env=env)
+
+
+async def stream_leaders(url: str) -> dict[str, Any]:
+    """Each Strait stream's leader and replicas (name, current) as the cluster reports them."""
+    import nats
+
+    out: dict[str, Any] = {}
+    try:
+        nc = await nats.connect(
+            servers=server_urls(url), name="chaos-info", max_reconnect_attempts=1, connect_timeout=2
+        )
+    except Exception as e:
+        return {"error": repr(e)[:100]}
+    try:
+        js = nc.jetstream(timeout=5)
+        for stream in ("STRAIT_REQUESTS", "STRAIT_EVENTS"):
+            try:
+                info = await js.stream_info(stream)
+                cl = info.cluster
+                out[stream] = {
+                    "replicas_config": info.config.num_replicas,
+                    "leader": cl.leader if cl else None,
+                    "replicas": [(p.name, p.current) for p in (cl.replicas or [])] if cl else [],
+                }
+            except Exception as e:
+                out[stream] = {"error": repr(e)[:100]}
+    finally:
+        await nc.close()
+    return out
+
+
+def skipped(name: str, opts: Opts, why: str) -> dict[str, Any]:
+    print(f"[{name}] skipped: {why}", file=sys.stderr, flush=True)
+    return {"scenario": name, "engine": "FAKE", "streams": opts.streams, "skipped": why}
+
+
 RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
     "kill-worker": kill_worker,
     "sigstop-worker": sigstop_worker,
@@ -907,6 +1504,8 @@ RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
     "kill-gateway": kill_gateway,
     "restart-nats": restart_nats,
     "malformed": malformed,
+    "postgres-outage": postgres_outage,
+    "nats-cluster": nats_cluster,
 }
 
 
@@ -927,6 +1526,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = []
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} |" + " – |" * 13)
+            continue
         failed = str(r["failed"])
         if r["failed_by"]:
             failed += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(r["failed_by"].items())) + ")"

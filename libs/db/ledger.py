@@ -19,6 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import FetchTimeoutError
+from sqlalchemy import and_, or_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -66,21 +67,42 @@ def row_values(ev: UsageEvent) -> dict[str, Any]:
     }
 
 
+WORKER_SOURCE = "worker"
+
+
+def _replaces(new: UsageEvent, old: UsageEvent) -> bool:
+    """The row keeps the client side's view (gateway, client library) over the worker's, and
+    the later of two events from the same side (a redelivery is equal and harmless)."""
+    if (new.source == WORKER_SOURCE) != (old.source == WORKER_SOURCE):
+        return old.source == WORKER_SOURCE
+    return new.finished_at >= old.finished_at
+
+
 async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
-    """Insert or overwrite the rows of ``events`` in one transaction (idempotent)."""
+    """Insert or update the rows of ``events`` in one transaction (idempotent, in any order):
+    a worker's event never replaces a client side's row (the worker publishes its own after
+    the stream's end, often after the gateway's), and a row is replaced only by a later event
+    from the same side, or by the client side's."""
     if not events:
         return
-    # One statement may not touch a row twice (PostgreSQL): the latest event per id wins.
-    latest: dict[str, UsageEvent] = {}
+    # One statement may not touch a row twice (PostgreSQL): one event per id.
+    chosen: dict[str, UsageEvent] = {}
     for ev in events:
-        if ev.request_id not in latest or ev.finished_at >= latest[ev.request_id].finished_at:
-            latest[ev.request_id] = ev
-    rows = [row_values(ev) for ev in latest.values()]
+        if ev.request_id not in chosen or _replaces(ev, chosen[ev.request_id]):
+            chosen[ev.request_id] = ev
+    rows = [row_values(ev) for ev in chosen.values()]
     insert = pg_insert if db.dialect == "postgresql" else sqlite_insert
     stmt = insert(RequestRow).values(rows)
+    new, old = stmt.excluded, RequestRow.__table__.c
+    new_is_worker = new.source == WORKER_SOURCE
+    old_is_worker = old.source == WORKER_SOURCE
     stmt = stmt.on_conflict_do_update(
         index_elements=[RequestRow.request_id],
         set_={k: stmt.excluded[k] for k in rows[0] if k != "request_id"},
+        where=or_(
+            and_(old_is_worker, ~new_is_worker),
+            and_(old_is_worker == new_is_worker, new.finished_at >= old.finished_at),
+        ),
     )
     async with db.engine.begin() as conn:
         await conn.execute(stmt)
@@ -95,7 +117,7 @@ class LedgerWriter:
         self.db = db
         subjects = Subjects(settings.nats.subject_prefix)
         # Gateways' and clients' events, and workers' own (the row exists when the gateway or
-        # client is gone; otherwise theirs, published later, replaces the worker's).
+        # client is gone; otherwise theirs wins, in whichever order they arrive).
         self.subjects = [subjects.event("usage"), subjects.worker_usage]
         self.written = 0
         self.failures = 0

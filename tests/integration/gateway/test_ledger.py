@@ -145,6 +145,40 @@ async def test_a_request_whose_client_reports_nothing_still_gets_its_row(
         assert got.status == "ok"
 
 
+async def test_the_client_sides_event_wins_over_the_workers_in_any_order(
+    db_settings: Settings,
+) -> None:
+    """The worker publishes its usage after the stream's end, so it often reaches the ledger
+    after the gateway's: it must not replace it. A later event of the same side does."""
+    from libs.db.ledger import upsert_usage
+
+    db = Database(db_settings)
+    await db.migrate()
+    t = time.time()
+
+    def ev(rid: str, source: str, at: float, ttft: float) -> UsageEvent:
+        return UsageEvent(
+            request_id=rid, source=source, finished_at=at, ttft_s=ttft, completion_tokens=5
+        )
+
+    try:
+        # Separate batches (separate transactions), both orders.
+        await upsert_usage(db, [ev("gw-first", "gateway", t, 0.5)])
+        await upsert_usage(db, [ev("gw-first", "worker", t + 1, 0.1)])
+        await upsert_usage(db, [ev("worker-first", "worker", t, 0.1)])
+        await upsert_usage(db, [ev("worker-first", "nats-client", t - 1, 0.7)])
+        # One batch holding both; then a later and an earlier gateway event.
+        await upsert_usage(db, [ev("same", "gateway", t, 0.5), ev("same", "worker", t + 1, 0.1)])
+        await upsert_usage(db, [ev("same", "gateway", t + 2, 0.9)])
+        await upsert_usage(db, [ev("same", "gateway", t + 1, 0.2)])
+    finally:
+        await db.close()
+    rows = await ledger_rows(db_settings)
+    assert (rows["gw-first"].source, rows["gw-first"].ttft_s) == ("gateway", 0.5)
+    assert (rows["worker-first"].source, rows["worker-first"].ttft_s) == ("nats-client", 0.7)
+    assert (rows["same"].source, rows["same"].ttft_s) == ("gateway", 0.9)
+
+
 async def test_replicas_share_the_ledger_consumer_and_duplicates_upsert(
     db_settings: Settings,
 ) -> None:

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from bench.chaos import (
     Call,
     Load,
+    NatsCluster,
+    PrivatePostgres,
+    ledger_vs_events,
     malformed_payloads,
     parse_metric,
     pct,
     reference,
     table,
 )
-from libs.protocol import GenerateRequest, ProtocolError, decode
+from libs.protocol import GenerateRequest, ProtocolError, UsageEvent, decode
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +115,61 @@ def test_table_has_one_row_per_scenario() -> None:
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| kill-worker | 40 | 100 | 99 | 10 | 1 (sse worker_lost: 1) |" in lines[2]
     assert "1.40 / 1.50" in lines[2] and "0.01 / –" in lines[2]
+
+
+def test_table_renders_a_skipped_scenario_with_every_column() -> None:
+    lines = table([{"scenario": "postgres-outage", "skipped": "no initdb"}]).splitlines()
+    assert lines[0].count("|") == lines[2].count("|")
+    assert lines[2].startswith("| postgres-outage | skipped: no initdb |")
+
+
+def test_ledger_vs_events_finds_lost_extra_and_overwritten_rows() -> None:
+    def ev(rid: str, source: str, at: float, n: int = 120) -> UsageEvent:
+        return UsageEvent(request_id=rid, source=source, finished_at=at, completion_tokens=n)
+
+    events = [
+        (1, ev("a", "gateway", 10.0)),
+        (2, ev("a", "worker", 9.0)),  # later in the stream, older: must not win
+        (3, ev("b", "worker", 5.0)),
+        (4, ev("b", "gateway", 6.0)),
+        (5, ev("c", "nats-client", 7.0, n=3)),
+        (6, ev("d", "worker", 8.0)),
+    ]
+    rows = {
+        "a": ("ok", 120, "worker"),
+        "b": ("ok", 120, "gateway"),
+        "c": ("ok", 120, "nats-client"),
+        "x": ("ok", 120, "gateway"),
+    }
+    got = ledger_vs_events(rows, events, {"a", "b", "c", "d"})
+    assert got["usage_events"] == 6 and got["usage_event_request_ids"] == 4
+    assert got["events_without_row_ids"] == ["d"] and got["rows_without_event"] == 1
+    assert got["rows_tokens_differ_from_latest_event"] == 1  # c: 3 in the event, 120 in the row
+    assert got["rows_worker_event_over_later_client_event_ids"] == ["a"]
+    assert got["of_those_worker_event_later_in_stream"] == 1
+    assert got["ledger_rows_of_load"] == 3
+
+
+def test_nats_cluster_configs_route_to_the_other_servers(tmp_path: Path) -> None:
+    c = NatsCluster(tmp_path, n=3)
+    try:
+        assert c.url.count(",") == 2 and c.live_url == ""
+        for i, conf in enumerate(c.confs):
+            text = conf.read_text()
+            assert f'server_name: "n{i}"' in text and "jetstream" in text
+            routes = [f"nats://127.0.0.1:{p}" for p in c.cluster_ports]
+            assert routes.pop(i) not in text.split("routes:")[1]
+            assert all(r in text for r in routes)
+    finally:
+        for f in c.logs:
+            f.close()
+
+
+def test_private_postgres_says_why_it_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(PrivatePostgres, "find", staticmethod(lambda name: None))
+    pg = PrivatePostgres(tmp_path / "pg")
+    assert pg.unavailable().startswith("no initdb, pg_ctl, postgres")
+    assert pg.url.startswith("postgresql+asyncpg://postgres@127.0.0.1:")
+    assert pg.url.endswith("/strait") and pg.env == {"DATABASE_URL": pg.url}
