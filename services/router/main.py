@@ -24,7 +24,15 @@ from nats.js.errors import FetchTimeoutError
 
 from libs.log import fields
 from libs.nats_util import connect, ensure_consumer, provision, work_queue_consumer
-from libs.protocol import KvEvent, ProtocolError, StreamOwner, Subjects, WorkerBeat, decode
+from libs.protocol import (
+    CancelRequest,
+    KvEvent,
+    ProtocolError,
+    StreamOwner,
+    Subjects,
+    WorkerBeat,
+    decode,
+)
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
@@ -75,8 +83,20 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             return
         router.watch.owner(o.request_id, o.worker_id)
 
+    async def on_cancel(msg: Msg) -> None:
+        # A client's cancel ends its stream without a last message: stop watching it (or a
+        # stall would move a request nobody reads). The router's own targeted cancels name a
+        # worker and leave the watch alone.
+        try:
+            c = decode(msg.data, CancelRequest)
+        except ProtocolError:
+            return  # the workers dead-letter it
+        if not c.worker_id:
+            await router.watch.forget(c.request_id or msg.subject.rsplit(".", 1)[-1])
+
     await nc.subscribe(subjects.beats_all, cb=on_beat)
     await nc.subscribe(subjects.stream_owner, cb=on_owner)
+    await nc.subscribe(subjects.cancel_all, cb=on_cancel)
     await nc.subscribe(subjects.kv_events_all, cb=on_kv)
     psub = await js.pull_subscribe(
         subjects.requests, durable=ROUTER_DURABLE, stream=s.nats.requests_stream

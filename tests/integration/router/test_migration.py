@@ -12,6 +12,7 @@ import pytest
 from libs.fake_engine import FakeBackend
 from libs.nats_util import StreamReader
 from libs.protocol import (
+    CancelRequest,
     ErrorMessage,
     Finished,
     GenerateRequest,
@@ -262,3 +263,25 @@ async def test_a_stream_stalled_on_a_beating_worker_moves(
     assert len(moved) == 1 and moved[0].reason == "stalled"
     text = "".join(m.text for m in got if isinstance(m, TokenDelta))
     assert text == await reference_text(router_settings, r)
+
+
+async def test_a_cancelled_stream_is_no_longer_watched(
+    router_settings: Settings, client: Client
+) -> None:
+    """A client's cancel ends the stream with no last message: the router stops watching it,
+    so a stall or a later worker loss never moves a request nobody reads."""
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("c1", max_tokens=200)
+    async with InProcessFleet(router_settings) as fleet:
+        await fleet.add_worker("w1")
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"w1"})
+        async with StreamReader(client.nc, client.subjects.stream("c1"), 10, 10) as reader:
+            await client.js.publish(client.subjects.requests, encode(r))
+            messages = reader.messages()
+            await anext(messages)
+            assert "c1" in fleet.routers[0].watch.watched
+            await client.nc.publish(
+                client.subjects.cancel("c1"), encode(CancelRequest(request_id="c1"))
+            )
+            await poll(lambda: "c1" not in fleet.routers[0].watch.watched, what="unwatched")
+            await poll(lambda: "c1" not in fleet.workers[0].worker.tasks, what="cancelled")
