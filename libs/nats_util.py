@@ -233,15 +233,18 @@ class StreamReader:
         self._reconnects = 0
         # Where to ask the stream's writer for missing messages ("" = never ask).
         self._resend_subject = resend_subject
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=max_pending)
+        # (payload, the connection's reconnect count when it arrived)
+        self._queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue(maxsize=max_pending)
         self._sub: Subscription | None = None
         self.stats = StreamStats()
         self.overflowed = False
 
     async def __aenter__(self) -> StreamReader:
+        stats = self._nc.stats
+
         async def on_msg(msg: Msg) -> None:
             try:
-                self._queue.put_nowait(msg.data)
+                self._queue.put_nowait((msg.data, stats["reconnects"]))
             except asyncio.QueueFull:
                 # A dropped message is a gap: report it once and fail the read, never truncate.
                 if not self.overflowed:
@@ -272,7 +275,9 @@ class StreamReader:
         it re-subscribed are lost for good (core NATS keeps nothing)."""
         return self._nc.stats["reconnects"] != self._reconnects
 
-    async def _wait(self, timeout: float, expected: int, held: dict[int, StreamMessage]) -> bytes:
+    async def _wait(
+        self, timeout: float, expected: int, held: dict[int, StreamMessage]
+    ) -> tuple[bytes, int]:
         """The next message within ``timeout``. A missing ``seq`` (``held`` non-empty), or a
         started stream silent after the connection reconnected (its remaining messages may all
         have been lost), is a gap: after ``RESEND_AFTER_S`` of it the writer is asked to send
@@ -323,9 +328,12 @@ class StreamReader:
             # A message already queued is taken at once: wait_for costs a task per call, and a
             # gateway streaming thousands of tokens a second pays it once per token.
             if self._queue.empty():
-                data = await self._wait(timeout, expected, held)
+                data, era = await self._wait(timeout, expected, held)
             else:
-                data = self._queue.get_nowait()
+                data, era = self._queue.get_nowait()
+            if era != self._reconnects:
+                # The stream flows again after a reconnect: a loss now shows as a seq gap.
+                self._reconnects = era
             timeout = self._idle_timeout
             try:
                 msg = decode_stream(data)

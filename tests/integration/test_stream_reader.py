@@ -105,3 +105,25 @@ async def test_a_lost_message_is_sent_again_when_the_reader_asks(nats_url: str) 
     assert "".join(m.text for m in got if isinstance(m, TokenDelta)) == "abc"
     assert reader.stats.resends == 1
     await nc.close()
+
+
+async def test_once_a_stream_flows_again_after_a_reconnect_silence_is_not_a_gap(
+    nats_url: str,
+) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.flow", 5, 60, gap_timeout_s=0.3) as reader:
+        await nc.publish("sr.flow", delta(1, "a"))
+        messages = reader.messages()
+        assert (await anext(messages)).seq == 1
+        nc.stats["reconnects"] += 1
+        await nc.publish("sr.flow", delta(2, "b"))  # arrives after the reconnect: it flows
+        assert (await anext(messages)).seq == 2
+
+        async def later() -> None:
+            await asyncio.sleep(1.0)  # longer than gap_timeout_s: a slow step, not a loss
+            await nc.publish("sr.flow", delta(3, "c"))
+
+        task = asyncio.create_task(later())
+        assert (await anext(messages)).seq == 3
+        await task
+    await nc.close()
