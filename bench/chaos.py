@@ -113,7 +113,7 @@ class Opts:
     after: float = 6.0
     bound: float = 75.0
     nats_every: int = 4  # every n-th slot uses StraitClient on NATS (0: none)
-    malformed: int = 3000
+    malformed: int = 10000
     oversized: bool = True  # the malformed run includes 1-4 MB request ids
     run_dir: Path = Path()
 
@@ -1573,7 +1573,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle timeout, so a stream that timeout ends is a failure, not a hang)",
     )
     p.add_argument("--nats-every", type=int, default=4, help="every n-th stream on NATS; 0: none")
-    p.add_argument("--malformed", type=int, default=3000, help="messages of the malformed run")
+    p.add_argument("--malformed", type=int, default=10000, help="messages of the malformed run")
     p.add_argument(
         "--no-oversized", action="store_true", help="malformed: leave out the 1-4 MB request ids"
     )
