@@ -26,9 +26,10 @@ async def test_faults_lose_nothing(tmp_path: Path) -> None:
         assert (r["ledger_lost"], r["ledger_wrong"]) == (0, 0), name
         assert r["held_after_total"] == 0, name
         assert r["crashed"] == [], name
-        # Open streams move or recover; only requests sent while NATS was down may fail,
-        # and then with a typed 503.
-        unexplained = r["failed"] - r["failed_by"].get("http 503 no_worker", 0)
+        # Open streams move or recover; only requests sent while NATS was down may fail, and
+        # then with the typed "fleet unavailable" error (HTTP 503 / the client's no_worker).
+        sent_while_down = ("http 503 no_worker", "nats no_worker")
+        unexplained = r["failed"] - sum(r["failed_by"].get(k, 0) for k in sent_while_down)
         assert unexplained == 0, (name, r["failed_by"])
     migrated = {r["scenario"]: r["migrated"] for r in rows}
     assert migrated["kill-worker"] > 0 and migrated["sigstop-worker"] > 0
