@@ -81,6 +81,7 @@ from typing import Any
 
 import httpx
 
+from bench.gateway_load import UNBOUNDED, UNBOUNDED_GATEWAY
 from libs.nats_util import server_urls
 from tests.support.procs import ProcessFleet
 from tests.support.services import free_port, nats_binary, wait_port
@@ -457,19 +458,9 @@ class PrivatePostgres:
 
 
 def config_toml(opts: Opts) -> str:
-    big = 1_000_000
-    return f"""
-[gateway]
-auth_enabled = false
-open_metrics = true
-response_cache_enabled = false
-max_inflight = {big}
-max_pool_queue = {big}
-default_rpm = {10**12}
-default_tpm = {10**15}
-
+    return f"""{UNBOUNDED_GATEWAY}
 [router]
-max_pool_queue = {big}
+max_pool_queue = {UNBOUNDED}
 
 [fake_engine]
 per_token_s = {opts.per_token_s}

@@ -399,18 +399,24 @@ async def client_main(args: argparse.Namespace) -> None:
 # ============================================================================ the fleet
 
 
-def config_toml(args: argparse.Namespace) -> str:
-    big = 1_000_000
-    return f"""
+# Every capacity bound far above a load bench's (and auth, cache off): the fleet's limits
+# never shape what a FAKE-engine bench measures. bench/chaos.py uses it too.
+UNBOUNDED = 1_000_000
+UNBOUNDED_GATEWAY = f"""
 [gateway]
 auth_enabled = false
 open_metrics = true
-ledger_enabled = false
 response_cache_enabled = false
-max_inflight = {big}
-max_pool_queue = {big}
+max_inflight = {UNBOUNDED}
+max_pool_queue = {UNBOUNDED}
 default_rpm = {10**12}
 default_tpm = {10**15}
+"""
+
+
+def config_toml(args: argparse.Namespace) -> str:
+    big = UNBOUNDED
+    return f"""{UNBOUNDED_GATEWAY}ledger_enabled = false
 
 [router]
 max_pool_queue = {big}
