@@ -51,6 +51,14 @@ every process the three URLs, and SIGKILLs the server most fleet processes are c
 Every scenario also reads the usage events back from JetStream and compares them with the
 ledger's rows (JSON: ``usage_events``, ``events_without_row``, ``rows_without_event``, ...).
 
+Three scenarios run a DISAGGREGATED pool on the REAL engine instead (a fake worker cannot hand
+KV off): a tiny random-weight model saved under the scenario's directory, prefill worker p0 (and
+p1 in ``kill-prefill``), decode workers w0 and w1, the prefix-cache service; ``kill-decode``,
+``kill-prefill`` and ``kill-cache`` SIGKILL the busiest decode worker, the busier prefill
+worker, the cache service. Their requests are greedy, each one of ``DISAGG_PROMPTS``, at most
+``DISAGG_MAX_TOKENS`` tokens; bad text compares each with its prompt's text fetched once,
+uninterrupted, through the same fleet before the load.
+
 The process logs stay in the run directory printed at the start (evidence for any row).
 Everything shares one machine (2 cores where docs/reliability.md was measured).
 """
@@ -100,9 +108,19 @@ SCENARIOS = [
     "malformed",
     "postgres-outage",
     "nats-cluster",
+    "kill-decode",
+    "kill-prefill",
+    "kill-cache",
 ]
 PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
 PG_CATCHUP_S = 60.0  # postgres-outage: bound on the wait for the ledger to catch up after
+# The disaggregated scenarios (kill-decode, kill-prefill, kill-cache): the REAL engine on a tiny
+# random-weight model (tests.unit.engine.helpers.save_tiny_model_dir), greedy requests, every
+# request one of these prompts (their uninterrupted answers are fetched before the load).
+TINY_MODEL = "tiny"
+DISAGG_PROMPTS = [f"Write a haiku about the number {k}." for k in range(6)]
+DISAGG_ENGINE = "ENGINE (tiny random-weight model)"
+DISAGG_MAX_TOKENS = 100  # prompt + answer within the engine's max_model_len of 256
 
 
 @dataclass
@@ -474,6 +492,32 @@ workers = 3
 """
 
 
+def disagg_config_toml(prefill_workers: int, decode_workers: int = 2) -> str:
+    """One disaggregated pool on the real engine and the tiny model (the scenario's own
+    ``models.dir``), with the prefix-cache service enabled."""
+    return f"""{UNBOUNDED_GATEWAY}
+[router]
+max_pool_queue = {UNBOUNDED}
+
+[engine]
+block_size = 4
+kv_cache_bytes = {4 * 2**20}
+max_model_len = 256
+num_threads = 1
+
+[cache]
+enabled = true
+
+[[pools]]
+name = "default"
+model = "{TINY_MODEL}"
+mode = "disaggregated"
+backend = "engine"
+workers = {decode_workers}
+prefill_workers = {prefill_workers}
+"""
+
+
 class Fleet:
     """nats-server + ProcessFleet (router, workers w0.., gateway) + extra routers / gateways."""
 
@@ -488,12 +532,24 @@ class Fleet:
         nats: NatsServer | NatsCluster | None = None,
         env: dict[str, str] | None = None,
         ledger: SqliteLedger | PrivatePostgres | None = None,
+        config: str | None = None,
+        extra_services: list[tuple[str, str, dict[str, str]]] | None = None,
+        model: str = MODEL,
+        ready_workers: int | None = None,
     ) -> None:
         """``nats``: a server or cluster (default: one server of its own); ``env``: for every
-        process; ``ledger``: where the gateway's ledger writer writes (default: SQLite)."""
+        process; ``ledger``: where the gateway's ledger writer writes (default: SQLite);
+        ``config``: the fleet's TOML (default: ``config_toml``); ``extra_services``: processes
+        started before the workers (ProcessFleet's: prefill workers, the cache service), each
+        given a metrics port of its own; ``model``: what the load asks for;
+        ``ready_workers``: workers every gateway must see (default: ``workers``)."""
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.opts = tmp, opts
         self.n_workers, self.n_routers, self.n_gateways = workers, routers, gateways
+        self.n_ready = workers if ready_workers is None else ready_workers
+        self.config = config if config is not None else config_toml(opts)
+        self.extra_services = extra_services or []
+        self.model = model
         self.worker_env = worker_env or {}
         self.nats = nats or NatsServer(tmp)
         self.ledger = ledger or SqliteLedger(tmp / "strait.db")
@@ -515,13 +571,30 @@ class Fleet:
                 port = self.metrics_port[f"worker{i}"] = free_port()
                 env_i = {"STRAIT_WORKER__METRICS_PORT": str(port), **self.worker_env.get(i, {})}
                 workers.append(env_i)
+            extra = []
+            for name, command, extra_env in self.extra_services:
+                port = self.metrics_port[name] = free_port()
+                key = (
+                    "STRAIT_CACHE__METRICS_PORT"
+                    if command == "cache"
+                    else "STRAIT_WORKER__METRICS_PORT"
+                )
+                extra.append((name, command, {key: str(port), **extra_env}))
             self.metrics_port["router"] = free_port()
             env = {
                 "STRAIT_TELEMETRY__LOG_JSON": "true",
                 "STRAIT_ROUTER__METRICS_PORT": str(self.metrics_port["router"]),
                 **self.env,
             }
-            self.pf = ProcessFleet(self.tmp, self.nats.url, config_toml(self.opts), env, workers)
+            self.pf = ProcessFleet(
+                self.tmp,
+                self.nats.url,
+                self.config,
+                env,
+                workers,
+                extra_services=extra,
+                ready_timeout_s=180.0 if extra else 120.0,
+            )
             self.pf.__enter__()
             self.gateway_urls = [self.pf.base_url]
             for r in range(1, self.n_routers):
@@ -545,11 +618,11 @@ class Fleet:
             url = pending[0]
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                 r = httpx.get(f"{url}/ready", timeout=1)
-                if r.status_code == 200 and r.json()["live_workers"] >= self.n_workers:
+                if r.status_code == 200 and r.json()["live_workers"] >= self.n_ready:
                     pending.pop(0)
                     continue
             if time.monotonic() > deadline:
-                raise RuntimeError(f"gateway {url} never saw {self.n_workers} workers")
+                raise RuntimeError(f"gateway {url} never saw {self.n_ready} workers")
             time.sleep(0.2)
         for name, port in self.metrics_port.items():
             if name.startswith("router"):
@@ -648,10 +721,11 @@ class Call:
     status: str = "running"  # ok | failed | hang
     error: str = ""
     migrations: int = 0
+    fixed_prompt: str = ""  # one of a scenario's fixed prompts ("": the k-th prompt)
 
     @property
     def prompt(self) -> str:
-        return f"Write a haiku about the number {self.k}."
+        return self.fixed_prompt or f"Write a haiku about the number {self.k}."
 
     def fail(self, why: str) -> None:
         self.status, self.error = "failed", why
@@ -670,19 +744,24 @@ class Load:
         self.stop_new = False
         self.client: Any = None
         self.hosts = [u.removeprefix("http://").rsplit(":", 1) for u in fleet.gateway_urls]
+        self.model = fleet.model
+        # A scenario's fixed prompts (request k sends prompts[k % n]), sent greedy
+        # (temperature 0): their texts are compared with one uninterrupted run of each.
+        self.prompts: list[str] = []
 
     def body(self, c: Call) -> bytes:
-        return json.dumps(
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": c.prompt}],
-                "max_tokens": self.opts.max_tokens,
-                "seed": c.seed,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": True,
-            }
-        ).encode()
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": c.prompt}],
+            "max_tokens": self.opts.max_tokens,
+            "seed": c.seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        if self.prompts:
+            body["temperature"] = 0.0
+        return json.dumps(body).encode()
 
     async def http_call(self, c: Call, gw: int) -> int:
         """One streamed request; tries the next gateway when one refuses the connection.
@@ -778,12 +857,14 @@ class Load:
     async def nats_call(self, c: Call) -> None:
         from libs.client import StraitError
 
+        greedy: dict[str, Any] = {"temperature": 0.0} if self.prompts else {}
         gen = self.client.generate(
             messages=[{"role": "user", "content": c.prompt}],
-            model=MODEL,
+            model=self.model,
             max_tokens=self.opts.max_tokens,
             ignore_eos=True,
             seed=c.seed,
+            **greedy,
         )
         c.request_id = gen.request_id
         try:
@@ -805,7 +886,10 @@ class Load:
         nats_path = self.opts.nats_every and i % self.opts.nats_every == self.opts.nats_every - 1
         gw = i % len(self.hosts)
         while not self.stop_new:
-            c = Call(len(self.calls), "nats" if nats_path else "http", seed=len(self.calls))
+            k = len(self.calls)
+            c = Call(k, "nats" if nats_path else "http", seed=k)
+            if self.prompts:
+                c.fixed_prompt = self.prompts[k % len(self.prompts)]
             self.calls.append(c)
             c.t_send = time.perf_counter()
             try:
@@ -886,6 +970,19 @@ async def reference(prompt: str, seed: int, max_tokens: int) -> str:
     return _REFERENCE[key]
 
 
+async def fetch_references(load: Load, bound: float) -> dict[str, str]:
+    """Each of the load's fixed prompts run once, alone and uninterrupted, through the fleet's
+    first gateway (before any load or fault): the text every request of that prompt must get."""
+    refs: dict[str, str] = {}
+    for p in load.prompts:
+        c = Call(-1, "http", seed=0, fixed_prompt=p)
+        await asyncio.wait_for(load.http_call(c, 0), bound)
+        if c.status != "ok" or c.usage != load.opts.max_tokens:
+            raise RuntimeError(f"reference for {p!r} failed: {c.status} {c.error} {c.usage}")
+        refs[p] = "".join(c.texts)
+    return refs
+
+
 Rows = dict[str, tuple[str, int, str]]  # request_id -> (status, completion_tokens, source)
 ROWS_SQL = "SELECT request_id, status, completion_tokens, source FROM requests"
 
@@ -931,14 +1028,29 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))] if s else None
 
 
-async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) -> dict[str, Any]:
+async def measure(
+    name: str,
+    fleet: Fleet,
+    load: Load,
+    t_fault: float | None,
+    references: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``references``: the text of each fixed prompt run uninterrupted (the real engine's
+    scenarios); without, the FAKE engine's own answer for the prompt and seed."""
     opts, calls = load.opts, load.calls
     m = opts.max_tokens
     ok = [c for c in calls if c.status == "ok"]
-    done = [c for c in ok if c.usage == m and len(c.texts) == m]
+    if references is None:
+        done = [c for c in ok if c.usage == m and len(c.texts) == m]
+    else:  # a real tokenizer's token may stream no text of its own (a split character)
+        done = [c for c in ok if c.usage == m]
     bad = []
     for c in calls:
-        ref, got = await reference(c.prompt, c.seed, m), "".join(c.texts)
+        if references is None:
+            ref = await reference(c.prompt, c.seed, m)
+        else:
+            ref = references[c.prompt]
+        got = "".join(c.texts)
         if not ref.startswith(got) or (c.status == "ok" and (got != ref or c.usage != m)):
             bad.append(c)
     # Migrations: the gateways' request log lines, the client's own count on NATS.
@@ -1009,6 +1121,7 @@ async def measure(name: str, fleet: Fleet, load: Load, t_fault: float | None) ->
         "failed_ids": [c.request_id for c in calls if c.status == "failed"][:20],
         "bad_text": len(bad),
         "bad_text_ids": [c.request_id for c in bad][:20],
+        "bad_text_by_path": dict(Counter(c.path for c in bad)),
         "ledger_lost": len(lost),
         "ledger_lost_ids": [c.request_id for c in lost][:20],
         "ledger_wrong": len(wrong),
@@ -1056,20 +1169,30 @@ async def run_scenario(
     fault: Callable[[Fleet, Load], Coroutine[Any, Any, None]] | None,
     settle: float = 0.0,
     before_measure: Callable[[Fleet, Load], Coroutine[Any, Any, dict[str, Any]]] | None = None,
+    prompts: list[str] | None = None,
     **fleet_kw: Any,
 ) -> dict[str, Any]:
     """One scenario on a fleet of its own; ``settle``: seconds to wait after the load before
     measuring (for what happens later, such as a redelivery); ``before_measure``: the
-    scenario's own wait and figures, merged into its row."""
+    scenario's own wait and figures, merged into its row; ``prompts``: greedy requests of
+    these prompts only, each compared with its uninterrupted text (fetched first)."""
     t0 = time.monotonic()
     print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
     with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
         load = Load(fleet, opts)
+        refs = None
+        if prompts:
+            load.prompts = list(prompts)
+            refs = await fetch_references(load, opts.bound)
+            print(f"[{name}] {len(refs)} reference texts", file=sys.stderr, flush=True)
         print(f"[{name}] load: {opts.streams} streams", file=sys.stderr, flush=True)
         t_fault = await load.run((lambda: fault(fleet, load)) if fault else None)
         await asyncio.sleep(settle)
         extra = await before_measure(fleet, load) if before_measure else {}
-        row = await measure(name, fleet, load, t_fault) | extra
+        row = await measure(name, fleet, load, t_fault, refs) | extra
+        if refs is not None:
+            row["engine"] = DISAGG_ENGINE
+            row["reference_texts"] = refs
     row["wall_s"] = round(time.monotonic() - t0, 1)
     print(f"[{name}] done in {row['wall_s']} s: {short(row)}", file=sys.stderr, flush=True)
     return row
@@ -1481,11 +1604,105 @@ async def stream_leaders(url: str) -> dict[str, Any]:
     return out
 
 
+def disagg_fleet(tmp: Path, prefill_workers: int) -> dict[str, Any]:
+    """run_scenario's fleet arguments for one disaggregated pool on the real engine: the tiny
+    random-weight model saved under ``tmp/models``, ``prefill_workers`` prefill workers
+    (``prefill``, ``prefill1``, ...: p0, p1, ...), two decode workers (``worker0``/w0,
+    ``worker1``/w1), the prefix-cache service (``cache``), router and gateway."""
+    from tests.unit.engine.helpers import save_tiny_model_dir
+
+    models = tmp / "models"
+    if not (models / TINY_MODEL / "config.json").exists():
+        save_tiny_model_dir(models / TINY_MODEL)
+    extra: list[tuple[str, str, dict[str, str]]] = [("cache", "cache", {})]
+    for i in range(prefill_workers):
+        extra.append((f"prefill{i or ''}", "prefill", {"STRAIT_WORKER__WORKER_ID": f"p{i}"}))
+    return {
+        "config": disagg_config_toml(prefill_workers),
+        "extra_services": extra,
+        "model": TINY_MODEL,
+        "workers": 2,
+        "ready_workers": 2 + prefill_workers,
+        "worker_env": {i: {"STRAIT_WORKER__ROLE": "decode"} for i in range(2)},
+        "env": {"STRAIT_MODELS__DIR": str(models.resolve()), "STRAIT_CACHE__ENABLED": "true"},
+    }
+
+
+async def disagg_logs(fleet: Fleet, load: Load) -> dict[str, Any]:
+    """The warnings and errors the prefill workers, decode workers and cache service logged,
+    and how many handoffs the decode workers admitted (evidence for the row)."""
+    out: dict[str, Any] = {}
+    for prefix, key in (
+        ("prefill", "prefill_log"),
+        ("worker", "decode_log"),
+        ("cache", "cache_log"),
+    ):
+        lines = fleet.log_lines(prefix)
+        out[key] = dict(
+            Counter(
+                str(r.get("msg"))
+                for r in lines
+                if str(r.get("level", "")).lower() in ("warning", "error", "critical")
+            )
+        )
+        if prefix == "worker":
+            out["handoffs_admitted"] = sum(1 for r in lines if r.get("msg") == "handoff admitted")
+    return out
+
+
+async def kill_decode(opts: Opts) -> dict[str, Any]:
+    """Disaggregated pool, real engine: SIGKILL the decode worker with the most running
+    requests; its streams must migrate to the other decode worker."""
+    name = "kill-decode"
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal(await fleet.busiest_worker(), signal.SIGKILL)
+
+    opts = replace(opts, max_tokens=min(opts.max_tokens, DISAGG_MAX_TOKENS))
+    kw = disagg_fleet(opts.run_dir / name, prefill_workers=1)
+    return await run_scenario(
+        name, opts, fault, before_measure=disagg_logs, prompts=DISAGG_PROMPTS, **kw
+    )
+
+
+async def kill_prefill(opts: Opts) -> dict[str, Any]:
+    """Disaggregated pool with two prefill workers (p0, p1), real engine: SIGKILL the one with
+    the most running requests; what it held before the handoff must be placed again."""
+    name = "kill-prefill"
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        names = [n for n in fleet.procs if n.startswith("prefill")]
+        load_of = {n: (await fleet.running(n)) or 0.0 for n in names}
+        fleet.signal(max(names, key=lambda n: (load_of[n], n == "prefill")), signal.SIGKILL)
+
+    opts = replace(opts, max_tokens=min(opts.max_tokens, DISAGG_MAX_TOKENS))
+    kw = disagg_fleet(opts.run_dir / name, prefill_workers=2)
+    return await run_scenario(
+        name, opts, fault, before_measure=disagg_logs, prompts=DISAGG_PROMPTS, **kw
+    )
+
+
+async def kill_cache(opts: Opts) -> dict[str, Any]:
+    """Disaggregated pool, real engine: SIGKILL the prefix-cache service and leave it down;
+    prefill must go on without it (misses, not failures)."""
+    name = "kill-cache"
+
+    async def fault(fleet: Fleet, load: Load) -> None:
+        fleet.signal("cache", signal.SIGKILL)
+
+    opts = replace(opts, max_tokens=min(opts.max_tokens, DISAGG_MAX_TOKENS))
+    kw = disagg_fleet(opts.run_dir / name, prefill_workers=1)
+    return await run_scenario(
+        name, opts, fault, before_measure=disagg_logs, prompts=DISAGG_PROMPTS, **kw
+    )
+
+
 def skipped(name: str, opts: Opts, why: str) -> dict[str, Any]:
     print(f"[{name}] skipped: {why}", file=sys.stderr, flush=True)
     return {"scenario": name, "engine": "FAKE", "streams": opts.streams, "skipped": why}
 
 
+DISAGG = ("kill-decode", "kill-prefill", "kill-cache")
 RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
     "kill-worker": kill_worker,
     "sigstop-worker": sigstop_worker,
@@ -1497,6 +1714,9 @@ RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
     "malformed": malformed,
     "postgres-outage": postgres_outage,
     "nats-cluster": nats_cluster,
+    "kill-decode": kill_decode,
+    "kill-prefill": kill_prefill,
+    "kill-cache": kill_cache,
 }
 
 
@@ -1591,11 +1811,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"chaos: logs under {run_dir}", file=sys.stderr, flush=True)
     rows = asyncio.run(campaign(names, opts))
-    print(
-        f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
-        f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "
-        f"(every {opts.nats_every or '–'}th on NATS, the rest HTTP); bound {opts.bound:g} s\n"
-    )
+    if any(n not in DISAGG for n in names):
+        print(
+            f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
+            f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "
+            f"(every {opts.nats_every or '–'}th on NATS, the rest HTTP); bound {opts.bound:g} s\n"
+        )
+    if any(n in DISAGG for n in names):
+        print(
+            f"\n{', '.join(n for n in names if n in DISAGG)}: the REAL engine on a tiny "
+            f"random-weight model, one disaggregated pool (prefill p0 [p1 in kill-prefill], "
+            f"decode w0 w1, the prefix-cache service), {opts.streams} streams (every "
+            f"{opts.nats_every or '–'}th on NATS), greedy requests of "
+            f"{len(DISAGG_PROMPTS)} prompts, max_tokens {min(opts.max_tokens, DISAGG_MAX_TOKENS)}\n"
+        )
     print(table(rows))
     if args.json:
         meta = asdict(opts) | {"run_dir": str(run_dir)}

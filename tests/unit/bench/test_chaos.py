@@ -12,6 +12,7 @@ from bench.chaos import (
     Call,
     Load,
     NatsCluster,
+    Opts,
     PrivatePostgres,
     ledger_vs_events,
     malformed_payloads,
@@ -173,3 +174,29 @@ def test_private_postgres_says_why_it_cannot_run(
     assert pg.unavailable().startswith("no initdb, pg_ctl, postgres")
     assert pg.url.startswith("postgresql+asyncpg://postgres@127.0.0.1:")
     assert pg.url.endswith("/strait") and pg.env == {"DATABASE_URL": pg.url}
+
+
+def test_disagg_config_is_one_disaggregated_engine_pool() -> None:
+    import tomllib
+
+    from bench.chaos import DISAGG, RUNNERS, SCENARIOS, TINY_MODEL, disagg_config_toml
+
+    cfg = tomllib.loads(disagg_config_toml(prefill_workers=2))
+    (pool,) = cfg["pools"]
+    assert (pool["model"], pool["mode"], pool["backend"]) == (TINY_MODEL, "disaggregated", "engine")
+    assert (pool["workers"], pool["prefill_workers"]) == (2, 2)
+    assert cfg["engine"]["max_model_len"] == 256 and cfg["cache"]["enabled"] is True
+    assert all(n in SCENARIOS and n in RUNNERS for n in DISAGG)
+
+
+def test_fixed_prompts_make_greedy_requests() -> None:
+    load = Load.__new__(Load)
+    load.opts, load.model, load.prompts = Opts(max_tokens=7), "tiny", []
+    c = Call(3, "http", seed=3)
+    assert "temperature" not in json.loads(load.body(c))  # the FAKE scenarios: as before
+    load.prompts = ["p0", "p1"]
+    c = Call(3, "http", seed=3, fixed_prompt="p1")
+    body = json.loads(load.body(c))
+    assert (body["model"], body["temperature"], body["max_tokens"]) == ("tiny", 0.0, 7)
+    assert body["messages"][0]["content"] == "p1"
+    assert Call(3, "http", seed=3).prompt == "Write a haiku about the number 3."
