@@ -1074,6 +1074,16 @@ async def measure(
     # What the surviving workers still run, once the streams are over.
     await asyncio.sleep(2.0)
     held = {w: await fleet.running(w) for w in fleet.live_workers()}
+    # KV blocks the surviving workers still hold for requests (the real engine's gauge; cached
+    # blocks count as free). The FAKE engine reports its prefix-cache size there instead.
+    blocks = {
+        w: await asyncio.to_thread(
+            fleet.scrape,
+            f"http://127.0.0.1:{fleet.metrics_port[w]}",
+            "strait_worker_kv_blocks_used",
+        )
+        for w in fleet.live_workers()
+    }
     # Ledger: wait (a bounded while) for the rows of completed requests.
     deadline = time.monotonic() + 15
     while True:
@@ -1127,6 +1137,7 @@ async def measure(
         "ledger_wrong": len(wrong),
         "ledger_ok_rows_of_failed": len(billed_failed),
         "held_after": {w: v for w, v in held.items()},
+        "kv_blocks_used_after": blocks,
         "held_after_total": sum(v or 0 for v in held.values()),
         "crashed": fleet.crashed(),
         "ended_by_fault": sorted(fleet.expected_dead),
