@@ -383,8 +383,7 @@ class StreamWriter:
         self._seq = first_seq - 1  # a decode worker continues a stream a prefill worker began
         self._owner = owner
         # The last ``keep`` messages sent, as (seq, bytes), for resend().
-        self.sent: deque[tuple[int, bytes]] = deque(maxlen=keep or None) if keep else deque()
-        self._keep = keep
+        self.sent: deque[tuple[int, bytes]] = deque(maxlen=keep)  # keep = 0: nothing kept
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -399,8 +398,7 @@ class StreamWriter:
             raise StreamTaken(self.request_id)
         data = encode(msg)
         await self._nc.publish(self.subject, data)
-        if self._keep:
-            self.sent.append((getattr(msg, "seq", 0), data))
+        self.sent.append((getattr(msg, "seq", 0), data))
 
     async def resend(self, from_seq: int) -> int:
         """Publish again the kept messages from ``from_seq`` on; returns how many."""

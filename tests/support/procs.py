@@ -37,7 +37,8 @@ class ProcessFleet:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
-    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+    def env_for(self, extra: dict[str, str]) -> dict[str, str]:
+        """The environment a fleet process (or a `strait` command run against the fleet) gets."""
         env = dict(os.environ)
         env.update(
             STRAIT_CONFIG=str(self.tmp / "strait.toml"),
@@ -57,7 +58,7 @@ class ProcessFleet:
         log = open(self.tmp / f"{name}.log", "wb")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "services.cli", role],
-            env=self._env(extra or {}),
+            env=self.env_for(extra or {}),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -5,7 +5,6 @@ the process exits cleanly."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -54,7 +53,7 @@ def test_strait_drain_moves_the_running_request_and_the_worker_exits(
                             done = await asyncio.to_thread(
                                 subprocess.run,
                                 cmd,
-                                env={**os.environ, **fleet._env({})},
+                                env=fleet.env_for({}),
                                 capture_output=True,
                                 text=True,
                             )
