@@ -10,6 +10,7 @@ being handled when the process dies is delivered again (dedupe by ``request_id``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -17,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal
 
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -32,6 +34,7 @@ EVENT_TYPES: dict[str, type[UsageEvent] | type[RouteDecision]] = {
     "route": RouteDecision,
 }
 FETCH_WAIT_S = 1.0
+FETCH_RETRY_S = 0.5  # pause after a fetch JetStream refused (a server restarting)
 # Durable consumers the fleet itself owns: binding to one would take messages from the fleet.
 RESERVED_DURABLES = frozenset({"router", "ledger"})
 
@@ -173,6 +176,14 @@ class Observer:
                 try:
                     msgs = await self._psub.fetch(self.batch, timeout=wait)
                 except (TimeoutError, FetchTimeoutError, NatsTimeout):
+                    continue
+                except NotFoundError:
+                    raise
+                except NatsError as e:  # JetStream refused (a server restarting): try again
+                    log.warning(
+                        "fetching events failed; retrying", extra={"fields": {"error": repr(e)}}
+                    )
+                    await asyncio.sleep(FETCH_RETRY_S)
                     continue
                 last = time.monotonic()
                 for m in msgs:

@@ -19,8 +19,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import FetchTimeoutError
+from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from libs.log import fields
 from libs.nats_util import connect, ensure_consumer, provision, work_queue_consumer
@@ -44,6 +45,7 @@ log = logging.getLogger("strait.router")
 ROUTER_DURABLE = "router"
 FETCH_BATCH = 32
 FETCH_TIMEOUT_S = 0.5
+FETCH_RETRY_S = 0.5  # pause after a fetch JetStream refused (server restarting, reconnecting)
 MAX_CONCURRENT_DECISIONS = 64
 
 
@@ -153,6 +155,14 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             try:
                 msgs = await psub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
             except (FetchTimeoutError, NatsTimeout, TimeoutError):
+                continue
+            except NotFoundError:
+                raise  # the consumer is gone: fail, and a restart provisions it again
+            except NatsError as e:
+                # A server shutting down answers a pending fetch with 503 (ServiceUnavailable);
+                # the connection then reconnects and fetching works again.
+                log.warning("fetching requests failed; retrying", extra=fields(error=repr(e)))
+                await asyncio.sleep(FETCH_RETRY_S)
                 continue
             for m in msgs:
                 await slots.acquire()
