@@ -65,8 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         action="append",
         required=True,
-        metavar="NAME=URL[,key=K][,model=M]",
-        help="server to benchmark; repeat to compare several (run one after another)",
+        metavar="NAME=URL[,key=K][,model=M][,spec=N]",
+        help="server to benchmark; repeat to compare several (run one after another); spec=N "
+        "sends Strait's num_speculative_tokens (0: speculation off for these requests)",
+    )
+    p.add_argument(
+        "--worker-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a Strait worker's /metrics (repeat for each): each run's speculative-decoding "
+        "figures (strait_spec_*) are printed after the table",
     )
     p.add_argument("--api", choices=("chat", "completions"), default="chat")
     p.add_argument("--workload", choices=WORKLOADS, default="chat")
@@ -190,6 +199,7 @@ async def _run_all(
     (Strait's gateway has one for greedy requests) cannot answer a measured request."""
     per_load, warm = split_requests(requests, len(loads), warmup)
     runs: list[RunResult] = []
+    spec_rows: list[dict[str, Any]] = []
     # One connection per request in flight: a pool smaller than the load would queue requests
     # inside the client and show up as server TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -206,8 +216,67 @@ async def _run_all(
                 model = "default"
             await _warm_up(client, target, model, warm, options, warmup)
             for load, load_requests in zip(loads, per_load, strict=True):
+                before = await spec_counters(client, options.worker_metrics)
                 runs.append(await run_load(client, target, model, load_requests, load, options))
+                after = await spec_counters(client, options.worker_metrics)
+                if options.worker_metrics:
+                    spec_rows.append(spec_row(target.name, load.label, before, after))
+    if spec_rows:
+        print(spec_table(spec_rows))
     return runs
+
+
+SPEC_SERIES = {
+    "proposed": "strait_spec_proposed_tokens_total",
+    "accepted": "strait_spec_accepted_tokens_total",
+    "verifications": "strait_spec_accepted_length_count",
+}
+
+
+async def spec_counters(client: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    """The workers' speculative-decoding counters summed over every label (0 when absent)."""
+    out = dict.fromkeys(SPEC_SERIES, 0.0)
+    for url in urls:
+        try:
+            text = (await client.get(url)).text
+        except httpx.HTTPError as exc:
+            print(f"warning: {url}: {exc}", file=sys.stderr)
+            continue
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            for key, series in SPEC_SERIES.items():
+                if name == series:
+                    out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def spec_row(
+    target: str, load: str, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in SPEC_SERIES}
+    return {
+        "target": target,
+        "load": load,
+        **{k: int(v) for k, v in d.items()},
+        "acceptance": d["accepted"] / d["proposed"] if d["proposed"] else None,
+        "kept_per_verification": d["accepted"] / d["verifications"] if d["verifications"] else None,
+    }
+
+
+def spec_table(rows: list[dict[str, Any]]) -> str:
+    """Speculative decoding during each run, from the workers' counters."""
+    lines = [
+        "speculative decoding (worker counters over each run):",
+        f"{'target':<16} {'load':<10} {'proposed':>9} {'kept':>9} {'rate':>6} {'kept/verify':>11}",
+    ]
+    for r in rows:
+        rate = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        per = f"{r['kept_per_verification']:.2f}" if r["kept_per_verification"] is not None else "-"
+        lines.append(
+            f"{r['target']:<16} {r['load']:<10} {r['proposed']:>9} {r['accepted']:>9} "
+            f"{rate:>6} {per:>11}"
+        )
+    return "\n".join(lines)
 
 
 def split_requests(
@@ -294,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout_s=args.request_timeout,
         seed=args.seed,
         progress=not args.no_progress,
+        worker_metrics=list(args.worker_metrics),
     )
     requests = generate(
         args.workload,

@@ -39,10 +39,14 @@ class Target:
     base_url: str
     api_key: str | None = None
     model: str | None = None
+    # Strait's per-request speculation ceiling (num_speculative_tokens; 0: off), sent when set:
+    # two targets on one fleet compare speculation on and off in the same run.
+    spec: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Target:
-        """Parse ``name=URL[,key=APIKEY][,model=MODEL]`` (a bare URL gets the name "target")."""
+        """Parse ``name=URL[,key=APIKEY][,model=MODEL][,spec=N]`` (a bare URL gets the name
+        "target")."""
         name, sep, rest = spec.partition("=")
         if not sep or "://" in name:
             name, rest = "target", spec
@@ -50,12 +54,23 @@ class Target:
         fields: dict[str, str] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("key", "model"):
-                raise ValueError(f"bad target option {option!r} in {spec!r}: use key= or model=")
+            if not sep or key not in ("key", "model", "spec"):
+                raise ValueError(
+                    f"bad target option {option!r} in {spec!r}: use key=, model= or spec="
+                )
             fields[key] = value
         if not name or "://" not in url:
             raise ValueError(f"bad target {spec!r}: expected name=http://host:port[,key=..]")
-        return cls(name=name, base_url=url, api_key=fields.get("key"), model=fields.get("model"))
+        depth = fields.get("spec")
+        if depth is not None and not depth.isdigit():
+            raise ValueError(f"bad target option spec={depth!r} in {spec!r}: a token count")
+        return cls(
+            name=name,
+            base_url=url,
+            api_key=fields.get("key"),
+            model=fields.get("model"),
+            spec=int(depth) if depth is not None else None,
+        )
 
     @property
     def api_root(self) -> str:
@@ -225,6 +240,8 @@ async def send_request(
     record = RequestRecord(index=request.index, kind=request.kind)
     url = f"{target.api_root}/{'chat/completions' if api == 'chat' else 'completions'}"
     payload = build_payload(api, model, request, sampling)
+    if target.spec is not None:
+        payload["num_speculative_tokens"] = target.spec
     sent = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

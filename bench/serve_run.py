@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -71,6 +71,8 @@ class RunOptions:
     request_timeout_s: float
     seed: int
     progress: bool = True
+    # Strait workers' /metrics URLs whose strait_spec_* counters are read around each run.
+    worker_metrics: list[str] = field(default_factory=list)
 
 
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:

@@ -11,7 +11,9 @@ Workloads:
 - ``shared-prefix``: a long common system prompt (a company handbook of ``prefix_words`` words,
   the same for every request of a seed) followed by a varied question about it - the RAG-like
   shape that a prefix cache should speed up; short answers (32-96 tokens).
-- ``code``: programming tasks asking for long outputs (256-512 tokens).
+- ``code``: copy-heavy edits: a small Python module and a change to make, the answer being the
+  whole module again (256-512 output tokens); most of the answer repeats the prompt, the shape
+  speculative decoding's prompt lookup speeds up.
 - ``mixed``: each request is chat (50%), shared-prefix (30%) or code (20%).
 """
 
@@ -168,26 +170,131 @@ _POLICIES = (
      "publishes the schedule."),
 )  # fmt: skip
 
-_LANGUAGES = ("Python", "TypeScript", "Go", "Rust")
-_CODE_TASKS = (
-    ("parse_duration", "parses durations such as '1h30m' or '45s' into a number of seconds"),
-    ("merge_intervals", "merges overlapping closed intervals and returns them sorted"),
-    ("lru_cache", "implements a fixed-capacity least-recently-used cache with get and put"),
-    ("word_frequencies", "counts word frequencies in a text, ignoring case and punctuation"),
-    ("validate_iban", "validates an IBAN using the mod-97 checksum"),
-    ("rate_limiter", "implements a token-bucket rate limiter with a refill rate and burst size"),
-    ("topological_sort", "returns a topological order of a dependency graph or reports a cycle"),
-    ("csv_to_json", "converts CSV text with a header row into a list of JSON objects"),
-    ("retry_with_backoff", "retries a failing operation with exponential backoff and jitter"),
-    ("binary_search_range", "finds the first and last index of a value in a sorted list"),
-    ("roman_numerals", "converts integers to Roman numerals and back"),
-    ("diff_lines", "computes a line-by-line diff of two texts using longest common subsequence"),
+# Copy-heavy code edits: a small file and a change; the answer is the file again, changed.
+_CODE_FILES: tuple[tuple[str, str], ...] = (
+    (
+        "parse_duration",
+        """def parse_duration(text):
+    units = {"h": 3600, "m": 60, "s": 1}
+    total = 0
+    number = ""
+    for char in text.strip():
+        if char.isdigit():
+            number += char
+        elif char in units and number:
+            total += int(number) * units[char]
+            number = ""
+        else:
+            raise ValueError(f"bad duration: {text!r}")
+    if number:
+        raise ValueError(f"missing unit in {text!r}")
+    return total
+""",
+    ),
+    (
+        "merge_intervals",
+        """def merge_intervals(intervals):
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in ordered:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    return sum(end - start for start, end in merge_intervals(intervals))
+""",
+    ),
+    (
+        "word_frequencies",
+        """import string
+
+
+def word_frequencies(text):
+    counts = {}
+    table = str.maketrans("", "", string.punctuation)
+    for word in text.lower().translate(table).split():
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def top_words(text, limit=10):
+    counts = word_frequencies(text)
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return ranked[:limit]
+""",
+    ),
+    (
+        "rate_limiter",
+        """import time
+
+
+class RateLimiter:
+    def __init__(self, rate, burst):
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.updated = time.monotonic()
+
+    def allow(self, cost=1):
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= cost:
+            self.tokens -= cost
+            return True
+        return False
+""",
+    ),
+    (
+        "binary_search_range",
+        """def first_index(values, target):
+    low, high = 0, len(values)
+    while low < high:
+        middle = (low + high) // 2
+        if values[middle] < target:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def search_range(values, target):
+    start = first_index(values, target)
+    if start == len(values) or values[start] != target:
+        return (-1, -1)
+    end = first_index(values, target + 1) - 1
+    return (start, end)
+""",
+    ),
+    (
+        "retry_with_backoff",
+        """import random
+import time
+
+
+def retry_with_backoff(operation, attempts=5, base_delay=0.1):
+    for attempt in range(attempts):
+        try:
+            return operation()
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            delay = base_delay * (2 ** attempt)
+            time.sleep(delay + random.uniform(0, delay))
+    return None
+""",
+    ),
 )
-_CODE_EXTRAS = (
-    "Include type annotations and a docstring, then write unit tests for the edge cases.",
-    "Explain the time complexity after the code and show an example call.",
-    "Handle invalid input with clear error messages and add tests for them.",
-    "Write it in an idiomatic style and add a short README section describing its use.",
+_CODE_EDITS = (
+    "Add a one-line docstring to every function.",
+    "Add type annotations to every function signature.",
+    "Rename every local variable named `total` or `counts` or `merged` or `delay` or `middle` "
+    "to a longer, clearer name.",
+    "Add a comment above each loop saying what it does.",
 )
 
 
@@ -294,9 +401,12 @@ def build_handbook(seed: int, words: int = DEFAULT_PREFIX_WORDS) -> _Handbook:
 
 
 def _code_request(rng: random.Random) -> str:
-    name, spec = rng.choice(_CODE_TASKS)
-    language = rng.choice(_LANGUAGES)
-    return f"Write a {language} function `{name}` that {spec}. {rng.choice(_CODE_EXTRAS)}"
+    name, code = rng.choice(_CODE_FILES)
+    edit = rng.choice(_CODE_EDITS)
+    return (
+        f"Here is the Python module `{name}.py`.\n\n```python\n{code}```\n\n{edit} "
+        "Reply with the whole module, changed, in one code block, and nothing else."
+    )
 
 
 def _mixed_kind(rng: random.Random) -> str:

@@ -82,6 +82,9 @@ class GenerationChunk:
     # Set on every chunk; the worker reports the last values it saw.
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Speculative decoding so far: tokens proposed and kept (libs/engine/spec).
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 @dataclass(slots=True)

@@ -129,6 +129,10 @@ class SamplingParams(Struct):
     # A grammar every choice's output must follow (tools with tool_choice required or a named
     # function add their own; see GenerateRequest.tools).
     structured: StructuredOutput | None = None
+    # Speculative decoding for this request: at most this many proposed tokens a step (0:
+    # none); None: the pool's engine.speculative. A ceiling: it never turns speculation on
+    # where the pool has none, and never changes the output, only its speed.
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -86,6 +86,37 @@ class GatewaySettings(BaseModel):
     ledger_enabled: bool = True
 
 
+class SpeculativeSettings(BaseModel):
+    """Speculative decoding (libs/engine/spec, docs/speculation.md): a proposer guesses the next
+    tokens of a decoding sequence and one forward verifies them; the answer never changes (a
+    proposal is kept only where it equals the token the model itself samples)."""
+
+    # "off"; "ngram": prompt lookup in the sequence's own prompt and output; "suffix": the same,
+    # then the recent outputs of the worker's other requests.
+    method: Literal["off", "ngram", "suffix"] = "off"
+    # Most tokens proposed for one sequence in one step (its adaptive depth starts here).
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    # Longest and shortest tail of the sequence (tokens) looked up; longer matches first.
+    prompt_lookup_max: int = Field(default=4, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=2, ge=1, le=16)
+    # "suffix": tokens of other requests' outputs kept for lookup (oldest dropped first).
+    suffix_cache_tokens: int = Field(default=65536, ge=0)
+    # No proposals in a step where more sequences than this decode: a batch that large is
+    # compute-bound and verifying guesses costs more than it saves (docs/speculation.md).
+    disable_by_batch_size: int = Field(default=4, ge=0)
+    # Per sequence: the depth follows the acceptance rate (an EMA with this weight on the newest
+    # step), down to 0; a sequence at 0 tries one token again after `adaptive_probe_steps`.
+    adaptive: bool = True
+    adaptive_weight: float = Field(default=0.5, gt=0.0, le=1.0)
+    adaptive_probe_steps: int = Field(default=16, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min exceeds prompt_lookup_max")
+        return self
+
+
 class PoolSettings(BaseModel):
     name: str = "default"
     model: str = "smollm2-135m-instruct"
@@ -99,6 +130,8 @@ class PoolSettings(BaseModel):
     quantization: Literal["none", "gguf", "int4", "int8"] | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    # This pool's engine.speculative (None: engine's).
+    speculative: SpeculativeSettings | None = None
 
 
 class ClassifierSettings(BaseModel):
@@ -260,6 +293,8 @@ class EngineSettings(BaseModel):
     quant_activations: Literal["int8", "float32"] = "int8"
     # K/V storage: "auto" = `dtype`. Narrower halves attention's reads; not the same answers.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Speculative decoding on this engine (a pool's own `speculative` replaces it).
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
 
     @property
     def kv_dtype(self) -> str:
@@ -402,8 +437,8 @@ class Settings(BaseSettings):
         return next((p for p in self.pools if p.name == name), None)
 
     def engine_for(self, pool: PoolSettings) -> EngineSettings:
-        """``engine`` with the pool's own weight-format overrides applied."""
-        fields = ("quantization", "dtype", "kv_cache_dtype")
+        """``engine`` with the pool's own weight-format and speculation overrides applied."""
+        fields = ("quantization", "dtype", "kv_cache_dtype", "speculative")
         update = {f: getattr(pool, f) for f in fields if getattr(pool, f) is not None}
         return self.engine.model_copy(update=update) if update else self.engine
 

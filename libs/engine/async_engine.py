@@ -133,6 +133,8 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
         logprobs=logprobs,
         num_prompt_tokens=y.num_prompt_tokens,
         num_cached_tokens=y.num_cached_tokens,
+        num_spec_proposed=y.num_spec_proposed,
+        num_spec_accepted=y.num_spec_accepted,
     )
     return StepOutput(b.request_id, chunk, b.request_finished)
 

@@ -31,6 +31,7 @@ from libs.engine.model_runner import ModelRunner, load_model
 from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
+from libs.engine.spec import make_speculator
 from libs.engine.structured import Grammars
 from libs.log import fields
 from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
@@ -100,6 +101,8 @@ class LLMEngine:
             vocab = self.runner.shape.vocab_size
             self.grammars = Grammars(tokenizer, vocab, sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
+        # Speculative decoding (engine.speculative; None: off).
+        self.speculator = make_speculator(settings.speculative, model_id, self.max_model_len)
         self.last_step_decode_only = False
         self.num_steps = 0
         # Resumed sequences whose given first token is reported by the next step.
@@ -225,6 +228,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.remove(seq)
+                if self.speculator is not None:
+                    self.speculator.finished(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -235,6 +240,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward, sample, and report new output."""
         resumed, self._resumed = self._resumed, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._collect(resumed)
@@ -251,6 +258,8 @@ class LLMEngine:
         row_logits: list[int] = []  # logits row of each sampling row
         sampling_seqs: list[Sequence] = []
         new_children: list[Sequence] = []
+        # (sequence, its first logits row, its proposals) of each speculating sequence
+        verifying: list[tuple[Sequence, int, list[int]]] = []
         num_logit_rows = 0
         for item in sched.scheduled:
             seq = item.seq
@@ -269,7 +278,9 @@ class LLMEngine:
                 )
                 row_logits.append(num_logit_rows)
                 sampling_seqs.append(s)
-            num_logit_rows += 1
+            if item.spec:
+                verifying.append((seq, num_logit_rows, item.spec))
+            num_logit_rows += 1 + len(item.spec)
 
         touched: list[Sequence] = list(resumed)
         if rows:
@@ -279,10 +290,54 @@ class LLMEngine:
             for seq, token, lp in zip(sampling_seqs, out.token_ids, out.logprobs, strict=True):
                 self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
                 touched.append(seq)
+        if verifying:
+            self._verify(verifying, logits)
         for child in new_children:
             if not child.is_finished:
                 self.scheduler.add(child)
         return self._collect(touched)
+
+    def _verify(self, items: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor) -> None:
+        """Keep each sequence's proposals while they equal what the model samples.
+
+        ``logits`` rows ``first + r`` of a sequence hold the model's next-token logits after its
+        last token (r = 0, sampled with the rest of the batch) and after proposal ``r - 1``.
+        Round r samples row r of the sequences whose token of round r - 1 equalled proposal
+        r - 1 (so row r was computed on the sampled token) and that have not finished, with
+        the same sampler, generator, penalties, grammar and stop checks as a step without
+        proposals at that position: the output is the one without speculation, greedy or
+        seeded. The last round (r = number of proposals) is the token after them all."""
+        assert self.speculator is not None
+        kept = [0] * len(items)
+        alive = list(range(len(items)))
+        r = 0
+        while alive:
+            nxt = []
+            for j in alive:
+                seq, _, spec = items[j]
+                if seq.is_finished or r == len(spec) or seq.token_ids[-1] != spec[r]:
+                    continue
+                kept[j] += 1
+                # Proposal r's K/V, computed in this forward, now belong to a sampled token.
+                seq.num_computed_tokens += 1
+                self.kv.commit(seq)
+                nxt.append(j)
+            r += 1
+            if not nxt:
+                break
+            seqs = [items[j][0] for j in nxt]
+            rows = [
+                SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts, s.matcher)
+                for s in seqs
+            ]
+            out = self.sampler(logits[[items[j][1] + r for j in nxt]], rows)
+            for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
+                self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
+            alive = nxt
+        for (seq, _, spec), n in zip(items, kept, strict=True):
+            self.speculator.record(seq, len(spec), n)
+            if not seq.is_finished:
+                self.kv.trim(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1..n-1 of ``parent``'s request: same prompt, first token sampled from the
@@ -327,6 +382,8 @@ class LLMEngine:
             if seq.detokenizer is not None:
                 seq.pending_text += seq.detokenizer.finish()
             seq.finish_reason = reason
+            if self.speculator is not None:
+                self.speculator.finished(seq)
             if seq.status is SeqStatus.WAITING:  # a fork child that never ran
                 seq.status = SeqStatus.FINISHED
             else:
@@ -380,6 +437,8 @@ class LLMEngine:
                 logprobs=seq.pending_logprobs or None,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
+                num_spec_proposed=seq.spec_proposed,
+                num_spec_accepted=seq.spec_accepted,
             )
             seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = "", [], []
             last_of[seq.request_id] = len(outputs)

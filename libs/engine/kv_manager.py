@@ -88,6 +88,14 @@ class KvManager:
         if n:
             seq.block_table.extend(self.pool.allocate(n))
 
+    def trim(self, seq: Sequence) -> None:
+        """Release blocks past those ``seq.token_ids`` needs: grown for proposed tokens that
+        were not kept. They were never registered (they hold no verified full block)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finish, abort, preemption). Cached ones stay cached."""
         self.pool.release(seq.block_table)

@@ -5,7 +5,7 @@ with the worker's ``strait_worker_itl_seconds`` and the client's ITL to see what
 adds (docs/performance.md, "The token path").
 """
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
 
@@ -32,4 +32,22 @@ CONSTRAINED_ROWS = Histogram(
     "strait_grammar_constrained_rows",
     "Constrained rows in a step that has any",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+
+SPEC_PROPOSED = Counter(
+    "strait_spec_proposed_tokens_total",
+    "Tokens proposed by speculative decoding and verified in a forward",
+    ["model", "method"],
+)
+SPEC_ACCEPTED = Counter(
+    "strait_spec_accepted_tokens_total",
+    "Proposed tokens kept (equal to the token the model sampled at their position); "
+    "acceptance rate = accepted / proposed",
+    ["model", "method"],
+)
+SPEC_ACCEPTED_LENGTH = Histogram(
+    "strait_spec_accepted_length",
+    "Proposed tokens kept per verification of one sequence (each also yields one sampled token)",
+    ["model", "method"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
 )

@@ -212,7 +212,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Run the scheduled tokens; returns logits ``[S, vocab]`` (float32) for the entries of
-        ``batch`` that sample, in batch order. Sequence state is not modified."""
+        ``batch`` that sample, in batch order: one row each, plus one per proposed token
+        (``ScheduledSeq.spec``). Sequence state is not modified."""
         input_ids: list[int] = []  # [T] packed tokens
         positions: list[int] = []  # [T] absolute position of each token in its sequence
         slots: list[int] = []  # [T] flat KV slot each token's K/V is written to
@@ -224,13 +225,15 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(item.spec)  # proposed tokens: after the last one, as a chunk
+            n += len(item.spec)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             tables.append(table[: -(-(start + n) // bs)])
             token_entry.extend([i] * n)
-            if item.samples:
-                keep.append(len(input_ids) - 1)
+            if item.samples:  # the last token's logits, then each proposal's
+                keep.extend(range(len(input_ids) - 1 - len(item.spec), len(input_ids)))
         return self._forward(input_ids, positions, slots, keep, tables, token_entry)
 
     def _forward(

@@ -14,7 +14,8 @@ queues. Policy:
   work to get in.
 
 The output is ``{sequence: number of tokens}`` (a list of :class:`ScheduledSeq`), not "one token
-per decode", so speculative decoding can later schedule several tokens to verify per sequence.
+per decode": a decoding sequence with proposed tokens (``Sequence.spec_tokens``, set by
+:mod:`libs.engine.spec`) runs its last token and the proposals, to be verified by the engine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from libs.settings import EngineSettings
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens run this step, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens of seq.token_ids run this step, from seq.num_computed_tokens on
+    # Proposed tokens run after them (speculative decoding; only for a decoding sequence):
+    # not in seq.token_ids; the engine keeps those equal to what it samples at their positions.
+    spec: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -45,7 +49,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.spec) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -115,14 +119,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, self.chunk, budget)
+            # A decoding sequence's proposals ride along while the budget and free blocks allow;
+            # they are dropped before anyone is preempted for them.
+            spec = seq.spec_tokens[: budget - 1] if seq.num_uncomputed_tokens == 1 else []
+            if spec and not self.kv.can_grow(seq, n + len(spec)):
+                spec = []
             while not self.kv.can_grow(seq, n) and seq in self.running:
                 out_of_blocks = True
                 self._preempt(self.running[-1], out)
             if seq not in self.running:  # it was the last one and got preempted itself
                 break
-            self.kv.grow(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            self.kv.grow(seq, n + len(spec))
+            out.scheduled.append(ScheduledSeq(seq, n, spec))
+            budget -= n + len(spec)
             i += 1
 
         while budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:

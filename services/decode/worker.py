@@ -342,6 +342,7 @@ class Worker:
         ttft_offset = handoff.prefill_s if handoff else 0.0
         ttft: float | None = None
         last_token_at = 0.0
+        spec = (0, 0)  # speculative tokens proposed and kept for this request so far
         usage = Usage()
         status, error_code = "ok", ""
         span = self.begin("worker.generate", a, parent)
@@ -404,9 +405,13 @@ class Worker:
                         phase.end()
                         phase = self._tracer.start_span("decode", context=phase_ctx)
                 elif chunk.token_ids and chunk.index == 0:
-                    metrics.ITL.observe(now - last_token_at)
+                    # A step that kept speculated tokens delivers several at once: each of
+                    # them waited its share.
+                    for _ in chunk.token_ids:
+                        metrics.ITL.observe((now - last_token_at) / len(chunk.token_ids))
                 if chunk.token_ids and chunk.index == 0:
                     last_token_at = now
+                spec = (chunk.num_spec_proposed, chunk.num_spec_accepted)
                 usage.completion_tokens += len(chunk.token_ids)
                 usage.cached_tokens = (
                     handoff.num_cached_tokens
@@ -424,6 +429,9 @@ class Worker:
             span.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
             span.set_attribute("strait.completion_tokens", usage.completion_tokens)
             span.set_attribute("strait.cached_tokens", usage.cached_tokens)
+            if spec[0]:
+                span.set_attribute("strait.spec_proposed_tokens", spec[0])
+                span.set_attribute("strait.spec_accepted_tokens", spec[1])
             self.finish(
                 rid,
                 span,
@@ -434,6 +442,7 @@ class Worker:
                 completion_tokens=usage.completion_tokens,
                 cached_tokens=usage.cached_tokens,
                 ttft_s=round(ttft, 4) if ttft else None,
+                spec_accepted=f"{spec[1]}/{spec[0]}" if spec[0] else None,
             )
 
     def begin(self, span_name: str, a: Assignment, parent: Context) -> trace.Span:

@@ -150,6 +150,9 @@ class _Common(_Strict):
     # Extensions vLLM users pass: generate past EOS (benchmarks), and extra stop token ids.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    # Strait extension: speculative decoding's depth for this request, a ceiling under the
+    # pool's (0: none; docs/speculation.md). Never changes the answer.
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=16)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
@@ -236,6 +239,7 @@ class _Common(_Strict):
             logprobs=logprobs,
             logit_bias=self.logit_bias,
             structured=self.structured(),
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     @property

@@ -1,0 +1,146 @@
+"""Speculative decoding: proposers guess a decoding sequence's next tokens; the engine verifies
+them in its next forward.
+
+Called by :meth:`libs.engine.engine.LLMEngine.step`: :meth:`Speculator.propose` before the
+scheduler runs (it sets ``Sequence.spec_tokens``), :meth:`Speculator.record` after each
+verification, :meth:`Speculator.finished` when a sequence ends. The scheduler runs a sequence's
+last token plus its proposals as one chunk; the engine samples each of their positions in
+turn, exactly as it would sample them one step at a time, and keeps a proposal only while it
+equals the token sampled at its position (docs/speculation.md). So proposals never change the
+answer: greedy or seeded, the output is the one without speculation.
+
+Proposers (one module each, behind :class:`Proposer`): ``ngram`` (:mod:`.ngram`, the
+sequence's own prompt and output) and ``suffix`` (:mod:`.suffix`, then other requests'
+recent outputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+from libs.engine import metrics
+from libs.engine.sequence import Sequence
+from libs.engine.spec.ngram import NgramIndex
+from libs.engine.spec.suffix import SuffixCache
+from libs.settings import SpeculativeSettings
+
+
+class Proposer(Protocol):
+    """Guesses up to ``k`` next tokens of ``seq`` from verified tokens only."""
+
+    name: str
+
+    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` ended (its output is final and verified)."""
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, s: SpeculativeSettings) -> None:
+        self.min_n, self.max_n = s.prompt_lookup_min, s.prompt_lookup_max
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if seq.spec_index is None:
+            seq.spec_index = NgramIndex(self.min_n, self.max_n)
+        index: NgramIndex = seq.spec_index
+        return index.find(seq.token_ids, k)
+
+    def finished(self, seq: Sequence) -> None:
+        seq.spec_index = None
+
+
+class SuffixProposer(NgramProposer):
+    name = "suffix"
+
+    def __init__(self, s: SpeculativeSettings) -> None:
+        super().__init__(s)
+        self.cache = SuffixCache(self.min_n, self.max_n, s.suffix_cache_tokens)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        own = super().propose(seq, k)
+        if own:
+            return own
+        return self.cache.find(seq.token_ids[-self.max_n :], k)
+
+    def finished(self, seq: Sequence) -> None:
+        super().finished(seq)
+        if seq.finish_reason != "abort":
+            self.cache.add(seq.output_token_ids)
+
+
+PROPOSERS: dict[str, type[NgramProposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
+
+
+class Speculator:
+    """Chooses which sequences speculate how deep each step, and keeps the acceptance figures."""
+
+    def __init__(self, s: SpeculativeSettings, model_id: str, max_model_len: int) -> None:
+        self.settings = s
+        self.proposer: Proposer = PROPOSERS[s.method](s)
+        self.max_model_len = max_model_len
+        labels = {"model": model_id, "method": s.method}
+        self._proposed = metrics.SPEC_PROPOSED.labels(**labels)
+        self._accepted = metrics.SPEC_ACCEPTED.labels(**labels)
+        self._length = metrics.SPEC_ACCEPTED_LENGTH.labels(**labels)
+        self.num_proposed = 0
+        self.num_accepted = 0
+
+    def depth(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` may have proposed this step (0: none)."""
+        s = self.settings
+        k = s.num_speculative_tokens
+        cap = seq.sampling.num_speculative_tokens
+        if cap is not None:
+            k = min(k, cap)
+        if k and s.adaptive:
+            k = round(k * seq.spec_rate)
+            if k == 0:
+                seq.spec_idle += 1
+                if seq.spec_idle < s.adaptive_probe_steps:
+                    return 0
+                k = 1  # probe: has the sequence turned predictable again?
+        # Never past max_tokens or the context: the last verified token ends the output anyway.
+        room = min(
+            seq.sampling.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+        )
+        return max(0, min(k, room - 1))
+
+    def propose(self, running: Seq[Sequence]) -> None:
+        """Set ``spec_tokens`` of every running sequence for the coming step."""
+        decoding = [s for s in running if not s.is_prefilling]
+        for seq in running:
+            seq.spec_tokens = []
+        if len(decoding) > self.settings.disable_by_batch_size:
+            return
+        for seq in decoding:
+            k = self.depth(seq)
+            if k:
+                seq.spec_tokens = self.proposer.propose(seq, k)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """One verification of ``seq``: ``accepted`` of its ``proposed`` tokens were kept."""
+        seq.spec_proposed += proposed
+        seq.spec_accepted += accepted
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+        self._proposed.inc(proposed)
+        self._accepted.inc(accepted)
+        self._length.observe(accepted)
+        w = self.settings.adaptive_weight
+        seq.spec_rate = (1 - w) * seq.spec_rate + w * accepted / proposed
+        seq.spec_idle = 0
+
+    def finished(self, seq: Sequence) -> None:
+        self.proposer.finished(seq)
+
+
+def make_speculator(s: SpeculativeSettings, model_id: str, max_model_len: int) -> Speculator | None:
+    """The engine's speculator, or None when ``s.method`` is "off"."""
+    return None if s.method == "off" else Speculator(s, model_id, max_model_len)
+
+
+__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "Speculator", "SuffixProposer"]

@@ -1,0 +1,57 @@
+"""Speculative decoding on the real default model: a copy-heavy code edit, greedy, with each
+proposer, equals ``model.generate``'s tokens, and most proposals are kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.workloads import generate
+from libs.engine.engine import LLMEngine
+from libs.protocol import SamplingParams
+from libs.settings import EngineSettings, SpeculativeSettings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 160
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_code_edit_equals_generate_and_keeps_proposals(smollm2: Path, method: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    prompts = []
+    for req in generate("code", 2, seed=3):
+        text = tok.apply_chat_template(req.messages(), add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            refs.append([int(t) for t in out[0, len(ids) :]])
+    settings = EngineSettings(
+        kv_cache_bytes=64 * 2**20,
+        speculative=SpeculativeSettings(method=method, disable_by_batch_size=4),
+    )
+    engine = LLMEngine(model, tok, settings, "smollm2")
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    got: dict[str, list[int]] = {}
+    # One after the other: the second request of "suffix" can use the first one's output.
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"c{i}", ids, greedy)
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.chunk.token_ids)
+    assert [got["c0"], got["c1"]] == refs
+    sp = engine.speculator
+    assert sp is not None
+    tokens = sum(len(r) for r in refs)
+    print(
+        f"{method}: {sp.num_accepted}/{sp.num_proposed} kept, {engine.num_steps} steps, {tokens} tokens"
+    )
+    assert sp.num_accepted > 0.5 * sp.num_proposed  # the answer copies the prompt
+    assert engine.num_steps < 0.6 * tokens  # and so takes far fewer forwards than tokens

@@ -1,0 +1,406 @@
+"""Speculative decoding never changes the answer (libs/engine/spec, docs/speculation.md).
+
+A scripted proposer (a test stand-in behind the ``Proposer`` interface) proposes the known
+continuation with deliberate mistakes, so every step mixes kept and rejected proposals; the
+output must equal the run without speculation — greedy (and ``model.generate``) under chunked
+prefill, staggered arrivals, prefix hits and preemption; seeded sampling with penalties,
+logprobs and ``n`` — and an unseeded sampler's distribution must be the model's. The real
+proposers (``ngram``, ``suffix``) are tested on their own and end to end."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from libs.engine.engine import LLMEngine
+from libs.engine.sequence import Sequence
+from libs.engine.spec import NgramProposer, Speculator, SuffixProposer
+from libs.engine.spec.ngram import NgramIndex
+from libs.engine.spec.suffix import SuffixCache
+from libs.protocol import SamplingParams, StructuredOutput
+from libs.settings import SpeculativeSettings
+from tests.unit.engine.helpers import (
+    TINY_VOCAB,
+    Result,
+    Submission,
+    engine_settings,
+    reference_greedy,
+    run_engine,
+    tiny_model,
+    tiny_tokenizer,
+)
+
+pytestmark = pytest.mark.unit
+
+MAX_NEW = 24
+SPEC = SpeculativeSettings(method="ngram", num_speculative_tokens=4, disable_by_batch_size=64)
+
+
+class ScriptedProposer:
+    """Proposes ``answers[request][output so far:]`` with one token in ``wrong_every`` (by
+    position) replaced: kept runs, rejections and full acceptances all happen."""
+
+    name = "scripted"
+
+    def __init__(self, answers: dict[tuple[str, int], list[int]], wrong_every: int = 5) -> None:
+        self.answers = answers
+        self.wrong_every = wrong_every
+        self.calls = 0
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        answer = self.answers.get((seq.request_id, seq.index))
+        if answer is None:
+            return []
+        self.calls += 1
+        start = seq.num_output_tokens
+        out = list(answer[start : start + k])
+        for i in range(len(out)):
+            if (start + i + self.calls) % self.wrong_every == 0:
+                out[i] = (out[i] + 1) % TINY_VOCAB
+        return out
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(TINY_VOCAB) for _ in range(20)]
+    return [
+        (system if i % 2 == 0 else []) + [rng.randrange(TINY_VOCAB) for _ in range(n)]
+        for i, n in enumerate([3, 9, 17, 30, 5, 12, 1, 8])
+    ]
+
+
+def scripted_engine(model: torch.nn.Module, answers: dict, **kw: object) -> LLMEngine:
+    engine = LLMEngine(model, None, engine_settings(model, speculative=SPEC, **kw), "tiny")  # type: ignore[arg-type]
+    assert engine.speculator is not None
+    engine.speculator.proposer = ScriptedProposer(answers)
+    return engine
+
+
+def outputs(results: dict[tuple[str, int], Result]) -> dict[tuple[str, int], list[int]]:
+    return {k: r.token_ids for k, r in results.items()}
+
+
+@pytest.mark.parametrize(
+    ("arch", "cpu_kernels"), [("llama", "off"), ("llama", "on"), ("qwen2", "on")]
+)
+def test_greedy_with_proposals_equals_generate_under_chunks_prefix_hits_and_preemption(
+    arch: str, cpu_kernels: str
+) -> None:
+    model = tiny_model(arch)
+    ps = prompts()
+    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
+    # 26 blocks of 4 tokens: less than 8 sequences need at once, so some are preempted.
+    engine = scripted_engine(
+        model,
+        {(f"r{i}", 0): ref for i, ref in enumerate(refs)},
+        num_blocks=26,
+        prefill_chunk_tokens=8,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        cpu_kernels=cpu_kernels,
+    )
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
+    results = run_engine(engine, subs)
+    for i in range(len(ps)):
+        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i} diverged"
+        assert results[(f"r{i}", 0)].finish_reason == "length"
+    spec = engine.speculator
+    assert spec is not None
+    assert 0 < spec.num_accepted < spec.num_proposed  # kept and rejected proposals both
+    assert engine.scheduler.num_preemptions > 0
+    assert any(results[(f"r{i}", 0)].num_cached_tokens > 0 for i in range(len(ps)))
+    assert engine.pool.num_used == 0  # every block, those grown for proposals too, returned
+    # Fewer forwards than tokens: the point of it.
+    assert engine.num_steps < sum(len(r) for r in refs)
+
+
+def seeded(seed: int, n: int = 1, **kw: object) -> SamplingParams:
+    params: dict = dict(
+        max_tokens=MAX_NEW,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        seed=seed,
+        n=n,
+        ignore_eos=True,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+        logprobs=3,
+    )
+    params.update(kw)
+    return SamplingParams(**params)
+
+
+def test_seeded_sampling_penalties_logprobs_and_n_are_unchanged() -> None:
+    model = tiny_model("qwen2", seed=2)
+    ps = prompts(2)
+    subs = [Submission(f"s{i}", p, seeded(100 + i, n=1 + i % 3)) for i, p in enumerate(ps)]
+    plain = run_engine(LLMEngine(model, None, engine_settings(model), "tiny"), subs)
+    # Propose the plain run's own outputs (with mistakes): the seeded draws must line up.
+    engine = scripted_engine(model, outputs(plain), num_blocks=60, prefill_chunk_tokens=5)
+    spec = run_engine(engine, subs)
+    assert outputs(spec) == outputs(plain)
+    for key, r in plain.items():
+        got = spec[key].logprobs
+        assert [e.token_id for e in got] == [e.token_id for e in r.logprobs]
+        assert [[t.token_id for t in e.top] for e in got] == [
+            [t.token_id for t in e.top] for e in r.logprobs
+        ]
+        assert all(
+            math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+            for a, b in zip(got, r.logprobs, strict=True)
+        )
+    assert engine.speculator is not None and engine.speculator.num_accepted > 0
+
+
+def test_stop_strings_eos_and_max_tokens_end_where_they_would() -> None:
+    """The scripted proposer runs straight past a stop string and past max_tokens: the output
+    still ends exactly where it ends without proposals (text and finish reason)."""
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", seed=5, vocab_size=len(tok))
+    prompt = tok.encode("hello world, hello strait; stop here. STOP now!")
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    base = run_engine(
+        LLMEngine(model, tok, engine_settings(model), "tiny"), [Submission("b", prompt, free)]
+    )
+    text = base[("b", 0)].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cases = {
+        "stop": SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]),
+        "eos": SamplingParams(
+            max_tokens=40, temperature=0.0, stop_token_ids=[base[("b", 0)].token_ids[9]]
+        ),
+        "len": SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+    }
+    subs = [Submission(name, prompt, p) for name, p in cases.items()]
+    plain = run_engine(LLMEngine(model, tok, engine_settings(model), "tiny"), subs)
+    answers = {(name, 0): base[("b", 0)].token_ids for name in cases}
+    engine = LLMEngine(model, tok, engine_settings(model, speculative=SPEC), "tiny")
+    assert engine.speculator is not None
+    engine.speculator.proposer = ScriptedProposer(answers, wrong_every=1000)
+    spec = run_engine(engine, subs)
+    for name in cases:
+        a, b = spec[(name, 0)], plain[(name, 0)]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), (
+            name
+        )
+    assert (
+        plain[("stop", 0)].finish_reason == "stop" and plain[("len", 0)].finish_reason == "length"
+    )
+    assert engine.pool.num_used == 0
+
+
+def test_grammar_constrained_requests_keep_their_grammar() -> None:
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", seed=6, vocab_size=len(tok))
+    prompt = tok.encode("the river runs")
+    plain_engine = LLMEngine(model, tok, engine_settings(model), "tiny")
+    assert plain_engine.grammars is not None
+    grammar = plain_engine.grammars.compile(
+        StructuredOutput(regex="(hello |world |strait )+stop"), None
+    )
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    plain = run_engine(plain_engine, [Submission("g", prompt, params, grammar=grammar)])
+    engine = LLMEngine(model, tok, engine_settings(model, speculative=SPEC), "tiny")
+    assert engine.speculator is not None
+    engine.speculator.proposer = ScriptedProposer(outputs(plain), wrong_every=3)
+    spec = run_engine(engine, [Submission("g", prompt, params, grammar=grammar)])
+    assert spec[("g", 0)].text == plain[("g", 0)].text
+    assert spec[("g", 0)].token_ids == plain[("g", 0)].token_ids
+
+
+def chi_square_critical(df: int, alpha: float) -> float:
+    """Upper ``alpha`` critical value of chi-square(df), Wilson-Hilferty approximation (within
+    ~1% for df >= 3), with the normal quantile from the inverse error function by bisection."""
+    lo, hi = 0.0, 10.0
+    for _ in range(100):  # z with P(N > z) = alpha
+        mid = (lo + hi) / 2
+        if 0.5 * math.erfc(mid / math.sqrt(2)) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    z = (lo + hi) / 2
+    h = 2 / (9 * df)
+    return df * (1 - h + z * math.sqrt(h)) ** 3
+
+
+def test_unseeded_sampling_distribution_is_the_models() -> None:
+    """4,000 unseeded requests of 3 tokens (temperature 1, top-k 4), the second token always
+    proposed (half the time the likeliest token, half a fixed unlikely one): the joint
+    distribution of the first two tokens must be the model's, by a chi-square goodness-of-fit
+    test at significance 0.001 (a verifier that kept a proposal it should reject, or skewed
+    the draw after a rejection, moves the proposed token's share by several points)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", seed=7)
+    prompt = [5, 17, 99, 3, 42]
+    top_k = 4
+    with torch.inference_mode():
+
+        def probs(tokens: list[int]) -> torch.Tensor:
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            top = logits.topk(top_k)
+            p = torch.zeros_like(logits)
+            p[top.indices] = torch.softmax(top.values, -1)
+            return p
+
+        p1 = probs(prompt)
+        firsts = [int(t) for t in p1.nonzero().flatten()]
+        expected = {}
+        for a in firsts:
+            p2 = probs([*prompt, a])
+            for b in [int(t) for t in p2.nonzero().flatten()]:
+                expected[(a, b)] = float(p1[a] * p2[b])
+    likeliest = {
+        a: max((b for (x, b) in expected if x == a), key=lambda b: expected[(a, b)]) for a in firsts
+    }
+    unlikely = min(expected, key=expected.__getitem__)[1]
+
+    class Fixed:
+        name = "fixed"
+
+        def propose(self, seq: Sequence, k: int) -> list[int]:
+            first = seq.token_ids[seq.num_prompt_tokens]
+            return [likeliest[first] if seq.arrival % 2 else unlikely]
+
+        def finished(self, seq: Sequence) -> None:
+            pass
+
+    n = 4000
+    settings = engine_settings(model, num_blocks=600, max_num_seqs=64, max_num_batched_tokens=512)
+    engine = LLMEngine(
+        model, None, settings.model_copy(update={"speculative": SPEC}), "tiny", seed=1
+    )
+    assert engine.speculator is not None
+    engine.speculator.proposer = Fixed()
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
+    counts: Counter[tuple[int, int]] = Counter()
+    for batch in range(n // 64 + 1):
+        subs = [Submission(f"u{batch}-{i}", prompt, params) for i in range(min(64, n - 64 * batch))]
+        for r in run_engine(engine, subs).values():
+            counts[(r.token_ids[0], r.token_ids[1])] += 1
+    assert sum(counts.values()) == n
+    assert set(counts) <= set(expected)
+    assert engine.speculator.num_proposed >= n and 0 < engine.speculator.num_accepted < n
+    # Cells expected fewer than 5 times are pooled into one.
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in expected.items():
+        e = n * p
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts[cell], pooled_exp + e
+            continue
+        stat += (counts[cell] - e) ** 2 / e
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    assert stat < chi_square_critical(cells - 1, 0.001), (stat, cells)
+
+
+# ---------------------------------------------------------------------------------- proposers
+
+
+def test_ngram_index_finds_the_latest_earlier_copy_longest_first() -> None:
+    idx = NgramIndex(2, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
+    # Tail (2, 3) last ended at 6 (followed by 7); tail (5, 2, 3) never appeared before.
+    assert idx.find(tokens, 3) == [7, 5, 2]
+    tokens += [7]
+    assert idx.find(tokens, 2) == [5, 2]  # (2, 3, 7) ended at 7, followed by 5
+    assert NgramIndex(2, 3).find([4, 4], 2) == []  # the tail itself is never a match
+    assert NgramIndex(2, 3).find([4, 4, 4], 2) == [4]  # (4, 4) ending at 1, followed by 4
+
+
+def test_suffix_cache_is_bounded_and_forgets_dropped_outputs() -> None:
+    cache = SuffixCache(2, 3, max_tokens=10)
+    cache.add([1, 2, 3, 4, 5, 6])
+    assert cache.find([9, 2, 3], 2) == [4, 5]
+    cache.add([7, 8, 9, 10, 11])  # 11 tokens kept > 10: the first output goes
+    assert cache.num_tokens == 5
+    assert cache.find([2, 3], 2) == []
+    assert cache.find([8, 9], 3) == [10, 11]
+    cache.add(list(range(100, 130)))  # longer than the bound: its last 10 tokens are kept
+    assert cache.num_tokens == 10 and cache.find([120, 121], 1) == [122]
+
+
+def test_suffix_proposer_uses_other_requests_outputs() -> None:
+    s = SpeculativeSettings(method="suffix", prompt_lookup_min=2, prompt_lookup_max=3)
+    p = SuffixProposer(s)
+
+    def seq(tokens: list[int], prompt: int) -> Sequence:
+        return Sequence("r", 0, tokens, prompt, SamplingParams(max_tokens=50))
+
+    done = seq([1, 2, 50, 51, 52, 53, 54], 2)
+    done.finish_reason = "length"
+    p.finished(done)
+    assert p.propose(seq([7, 8, 51, 52], 2), 3) == [53, 54]
+    assert NgramProposer(s).propose(seq([7, 8, 51, 52], 2), 3) == []  # own tokens only
+    aborted = seq([1, 2, 60, 61, 62], 2)
+    aborted.finish_reason = "abort"
+    p.finished(aborted)  # an aborted output is not kept
+    assert p.propose(seq([9, 60, 61], 1), 2) == []
+
+
+def make_seq(out: int = 0, **kw: object) -> Sequence:
+    seq = Sequence("r", 0, list(range(10 + out)), 10, SamplingParams(max_tokens=20, **kw))  # type: ignore[arg-type]
+    return seq
+
+
+def test_depth_follows_acceptance_ceilings_and_room() -> None:
+    sp = Speculator(
+        SpeculativeSettings(method="ngram", num_speculative_tokens=4, adaptive_probe_steps=3),
+        "m",
+        64,
+    )
+    seq = make_seq(out=1)
+    assert sp.depth(seq) == 4
+    sp.record(seq, 4, 0)  # rate 0.5
+    assert sp.depth(seq) == 2
+    sp.record(seq, 2, 0)
+    sp.record(seq, 1, 0)  # rate 0.125: depth 0, then a one-token probe every 3 steps
+    assert [sp.depth(seq) for _ in range(3)] == [0, 0, 1]
+    sp.record(seq, 1, 1)
+    assert sp.depth(seq) == 2
+    assert sp.depth(make_seq(out=1, num_speculative_tokens=1)) == 1  # the request's ceiling
+    assert sp.depth(make_seq(out=1, num_speculative_tokens=0)) == 0
+    assert sp.depth(make_seq(out=18)) == 1  # max_tokens 20: one proposal and the sampled token
+    assert sp.depth(make_seq(out=19)) == 0
+    assert Speculator(SpeculativeSettings(method="ngram"), "m", 31).depth(make_seq(out=19)) == 0
+
+
+def test_no_proposals_when_many_sequences_decode() -> None:
+    sp = Speculator(SpeculativeSettings(method="ngram", disable_by_batch_size=2), "m", 256)
+    loop = [1, 2, 3, 1, 2, 3, 1, 2]
+    seqs = [Sequence(f"r{i}", 0, [*loop, 3], 8, SamplingParams(max_tokens=50)) for i in range(3)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1  # decoding
+    sp.propose(seqs[:2])
+    assert seqs[0].spec_tokens == [1, 2, 3]  # what followed the latest copy of (3, 1, 2, 3)
+    sp.propose(seqs)
+    assert all(s.spec_tokens == [] for s in seqs)
+
+
+def test_ngram_proposer_end_to_end_is_exact_and_backs_off() -> None:
+    """The real prompt-lookup proposer, n-grams of one token, a prompt holding every token:
+    it proposes at every step (a random model rarely agrees); the output is still exact, and
+    the adaptive depth falls so that most steps propose little or nothing."""
+    model = tiny_model("llama", seed=8)
+    prompt = list(range(TINY_VOCAB))
+    ref = reference_greedy(model, prompt, 40)
+    s = SpeculativeSettings(
+        method="ngram", prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=8
+    )
+    engine = LLMEngine(model, None, engine_settings(model, speculative=s), "tiny")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert run_engine(engine, [Submission("n", prompt, greedy)])[("n", 0)].token_ids == ref
+    sp = engine.speculator
+    assert sp is not None and sp.num_proposed > 0
+    assert sp.num_proposed < 4 * 39 / 2  # adaptive: far from 4 proposals on every step
