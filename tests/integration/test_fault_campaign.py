@@ -21,11 +21,11 @@ async def test_faults_lose_nothing(tmp_path: Path) -> None:
     assert [r["scenario"] for r in rows] == SCENARIOS, "a scenario's fleet did not start"
     for r in rows:
         name = r["scenario"]
+        assert r["crashed"] == [], name  # first: a crashed router shows as every request hanging
         assert r["hangs"] == 0, (name, r["hang_ids"])
         assert r["bad_text"] == 0, (name, r["bad_text_ids"])
         assert (r["ledger_lost"], r["ledger_wrong"]) == (0, 0), name
         assert r["held_after_total"] == 0, name
-        assert r["crashed"] == [], name
         # Open streams move or recover; only requests sent while NATS was down may fail, and
         # then with the typed "fleet unavailable" error (HTTP 503 / the client's no_worker).
         sent_while_down = ("http 503 no_worker", "nats no_worker")
