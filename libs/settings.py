@@ -92,8 +92,12 @@ class SpeculativeSettings(BaseModel):
     proposal is kept only where it equals the token the model itself samples)."""
 
     # "off"; "ngram": prompt lookup in the sequence's own prompt and output; "suffix": the same,
-    # then the recent outputs of the worker's other requests.
-    method: Literal["off", "ngram", "suffix"] = "off"
+    # then the recent outputs of the worker's other requests; "draft": `draft_model` proposes.
+    method: Literal["off", "ngram", "suffix", "draft"] = "off"
+    # "draft": a model of the registry (or a local directory) with the target's vocabulary,
+    # run greedily by the same worker, on a KV cache of its own of `draft_kv_cache_bytes`.
+    draft_model: str = ""
+    draft_kv_cache_bytes: int = Field(default=64 * 2**20, gt=0)
     # Most tokens proposed for one sequence in one step (its adaptive depth starts here).
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     # Longest and shortest tail of the sequence (tokens) looked up; longer matches first.
@@ -114,6 +118,8 @@ class SpeculativeSettings(BaseModel):
     def _lookup_range(self) -> SpeculativeSettings:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative.prompt_lookup_min exceeds prompt_lookup_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError('speculative.method = "draft" needs speculative.draft_model')
         return self
 
 

@@ -95,6 +95,8 @@ class RequestOptions(TypedDict, total=False):
     n: int
     logprobs: int | None
     ignore_eos: bool
+    # Speculative decoding's depth for this request, a ceiling under the pool's (0: off).
+    num_speculative_tokens: int | None
     logit_bias: Mapping[int | str, float]
     # A grammar the output follows: a StructuredOutput or its dict (json / regex / choice /
     # grammar), as in docs/structured-outputs.md.

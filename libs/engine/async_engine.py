@@ -142,11 +142,18 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
 class AsyncEngineBackend:
     """Implements :class:`libs.backend.Backend` with :class:`LLMEngine` on its own thread."""
 
-    def __init__(self, settings: EngineSettings, model_path: str, model_name: str) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        model_path: str,
+        model_name: str,
+        draft_path: str | None = None,
+    ) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         self.settings = settings
         self.model_path = model_path
+        self.draft_path = draft_path  # speculative method "draft": the draft model's directory
         self.model_name = model_name
         self.model_id = model_identity(model_name, settings)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -177,7 +184,11 @@ class AsyncEngineBackend:
         from libs.models import prepare_model
 
         path = prepare_model(pool.model, settings)
-        return cls(settings.engine_for(pool), str(path), pool.model)
+        engine = settings.engine_for(pool)
+        draft = None
+        if engine.speculative.method == "draft":
+            draft = str(prepare_model(engine.speculative.draft_model, settings))
+        return cls(engine, str(path), pool.model, draft)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -188,7 +199,7 @@ class AsyncEngineBackend:
         log.info("engine threads: %d", torch.get_num_threads())
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(
-            LLMEngine.from_path, self.model_path, self.settings, self.model_id
+            LLMEngine.from_path, self.model_path, self.settings, self.model_id, self.draft_path
         )
         self._engine.tokenizer = self.tokenizer
         self._update_load()

@@ -77,7 +77,10 @@ class LLMEngine:
         model_id: str,
         *,
         seed: int | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
+        """``draft_model``: the proposer's model when ``settings.speculative.method`` is
+        "draft" (see :meth:`from_path`)."""
         self.settings = settings
         self.model_id = model_id
         self.tokenizer = tokenizer
@@ -102,7 +105,9 @@ class LLMEngine:
             self.grammars = Grammars(tokenizer, vocab, sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
         # Speculative decoding (engine.speculative; None: off).
-        self.speculator = make_speculator(settings.speculative, model_id, self.max_model_len)
+        self.speculator = make_speculator(
+            settings, model_id, self.max_model_len, self.runner.shape.vocab_size, draft_model
+        )
         self.last_step_decode_only = False
         self.num_steps = 0
         # Resumed sequences whose given first token is reported by the next step.
@@ -110,12 +115,22 @@ class LLMEngine:
 
     @classmethod
     def from_path(
-        cls, model_path: str | Path, settings: EngineSettings, model_id: str, **kw: Any
+        cls,
+        model_path: str | Path,
+        settings: EngineSettings,
+        model_id: str,
+        draft_path: str | Path | None = None,
+        **kw: Any,
     ) -> LLMEngine:
+        """Load the model (and, for speculative method "draft", the draft model at
+        ``draft_path``) from local directories."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
         model = load_model(model_path, settings)
+        if draft_path is not None:  # small: its checkpoint's weights, in engine.dtype
+            plain = settings.model_copy(update={"quantization": "none"})
+            kw["draft_model"] = load_model(draft_path, plain)
         return cls(model, tokenizer, settings, model_id, **kw)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ requests

@@ -26,7 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from libs.engine import kernels
-from libs.settings import PoolSettings, Settings
+from libs.settings import PoolSettings, Settings, SpeculativeSettings
 
 # Modules whose source shapes the compiled forward (a change makes every marker stale).
 GRAPH_SOURCES = (
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no pool named {args[0]!r}", file=sys.stderr)
         return 2
     model_dir = prepare_model(pool.model, settings)
-    engine = settings.engine_for(pool).model_copy(update={"kv_cache_bytes": WARM_KV_BYTES})
+    # Speculation's draft model is never compiled; the target's graphs are the same without it.
+    engine = settings.engine_for(pool).model_copy(
+        update={"kv_cache_bytes": WARM_KV_BYTES, "speculative": SpeculativeSettings()}
+    )
     if engine.num_threads:  # the workers' thread count: inductor's kernels depend on it
         import torch
 

@@ -10,8 +10,8 @@ equals the token sampled at its position (docs/speculation.md). So proposals nev
 answer: greedy or seeded, the output is the one without speculation.
 
 Proposers (one module each, behind :class:`Proposer`): ``ngram`` (:mod:`.ngram`, the
-sequence's own prompt and output) and ``suffix`` (:mod:`.suffix`, then other requests'
-recent outputs).
+sequence's own prompt and output), ``suffix`` (:mod:`.suffix`, then other requests' recent
+outputs) and ``draft`` (:mod:`.draft`, a smaller model with the same vocabulary).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+import torch
+
 from libs.engine import metrics
 from libs.engine.sequence import Sequence
 from libs.engine.spec.ngram import NgramIndex
 from libs.engine.spec.suffix import SuffixCache
-from libs.settings import SpeculativeSettings
+from libs.settings import EngineSettings, SpeculativeSettings
 
 
 class Proposer(Protocol):
@@ -78,9 +80,11 @@ PROPOSERS: dict[str, type[NgramProposer]] = {"ngram": NgramProposer, "suffix": S
 class Speculator:
     """Chooses which sequences speculate how deep each step, and keeps the acceptance figures."""
 
-    def __init__(self, s: SpeculativeSettings, model_id: str, max_model_len: int) -> None:
+    def __init__(
+        self, s: SpeculativeSettings, model_id: str, max_model_len: int, proposer: Proposer
+    ) -> None:
         self.settings = s
-        self.proposer: Proposer = PROPOSERS[s.method](s)
+        self.proposer = proposer
         self.max_model_len = max_model_len
         labels = {"model": model_id, "method": s.method}
         self._proposed = metrics.SPEC_PROPOSED.labels(**labels)
@@ -138,9 +142,34 @@ class Speculator:
         self.proposer.finished(seq)
 
 
-def make_speculator(s: SpeculativeSettings, model_id: str, max_model_len: int) -> Speculator | None:
-    """The engine's speculator, or None when ``s.method`` is "off"."""
-    return None if s.method == "off" else Speculator(s, model_id, max_model_len)
+def make_speculator(
+    engine: EngineSettings,
+    model_id: str,
+    max_model_len: int,
+    vocab_size: int,
+    draft_model: torch.nn.Module | None = None,
+) -> Speculator | None:
+    """The engine's speculator, or None when ``engine.speculative.method`` is "off". The
+    "draft" method needs ``draft_model`` loaded (with ``vocab_size`` tokens, the target's)."""
+    s = engine.speculative
+    if s.method == "off":
+        return None
+    proposer: Proposer
+    if s.method == "draft":
+        from libs.engine.spec.draft import DraftProposer
+
+        if draft_model is None:
+            raise ValueError('speculative.method = "draft" needs the draft model loaded')
+        draft = DraftProposer(s, draft_model, engine)
+        if draft.vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
+                f"target's ({vocab_size})"
+            )
+        proposer = draft
+    else:
+        proposer = PROPOSERS[s.method](s)
+    return Speculator(s, model_id, max_model_len, proposer)
 
 
 __all__ = ["PROPOSERS", "NgramProposer", "Proposer", "Speculator", "SuffixProposer"]

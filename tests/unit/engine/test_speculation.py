@@ -28,6 +28,7 @@ from tests.unit.engine.helpers import (
     Result,
     Submission,
     engine_settings,
+    kv_bytes,
     reference_greedy,
     run_engine,
     tiny_model,
@@ -354,11 +355,13 @@ def make_seq(out: int = 0, **kw: object) -> Sequence:
     return seq
 
 
+def ngram_speculator(s: SpeculativeSettings, max_model_len: int) -> Speculator:
+    return Speculator(s, "m", max_model_len, NgramProposer(s))
+
+
 def test_depth_follows_acceptance_ceilings_and_room() -> None:
-    sp = Speculator(
-        SpeculativeSettings(method="ngram", num_speculative_tokens=4, adaptive_probe_steps=3),
-        "m",
-        64,
+    sp = ngram_speculator(
+        SpeculativeSettings(method="ngram", num_speculative_tokens=4, adaptive_probe_steps=3), 64
     )
     seq = make_seq(out=1)
     assert sp.depth(seq) == 4
@@ -373,11 +376,11 @@ def test_depth_follows_acceptance_ceilings_and_room() -> None:
     assert sp.depth(make_seq(out=1, num_speculative_tokens=0)) == 0
     assert sp.depth(make_seq(out=18)) == 1  # max_tokens 20: one proposal and the sampled token
     assert sp.depth(make_seq(out=19)) == 0
-    assert Speculator(SpeculativeSettings(method="ngram"), "m", 31).depth(make_seq(out=19)) == 0
+    assert ngram_speculator(SpeculativeSettings(method="ngram"), 31).depth(make_seq(out=19)) == 0
 
 
 def test_no_proposals_when_many_sequences_decode() -> None:
-    sp = Speculator(SpeculativeSettings(method="ngram", disable_by_batch_size=2), "m", 256)
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", disable_by_batch_size=2), 256)
     loop = [1, 2, 3, 1, 2, 3, 1, 2]
     seqs = [Sequence(f"r{i}", 0, [*loop, 3], 8, SamplingParams(max_tokens=50)) for i in range(3)]
     for s in seqs:
@@ -404,3 +407,57 @@ def test_ngram_proposer_end_to_end_is_exact_and_backs_off() -> None:
     sp = engine.speculator
     assert sp is not None and sp.num_proposed > 0
     assert sp.num_proposed < 4 * 39 / 2  # adaptive: far from 4 proposals on every step
+
+
+# ---------------------------------------------------------------------------------- draft
+
+
+def draft_model(kind: str) -> torch.nn.Module:
+    """The tiny target's own weights (it proposes what the target samples greedily), or a
+    one-layer random model with the same vocabulary (it rarely does)."""
+    if kind == "same":
+        return tiny_model("llama")
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.engine.helpers import tiny_config
+
+    torch.manual_seed(9)
+    config = tiny_config("llama")
+    config.num_hidden_layers = 1
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["same", "other"])
+def test_draft_model_greedy_and_seeded_equal_no_speculation(kind: str) -> None:
+    model = tiny_model("llama")
+    ps = prompts(4)
+    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
+    s = SpeculativeSettings(
+        method="draft",
+        draft_model="tiny-draft",
+        disable_by_batch_size=64,
+        draft_kv_cache_bytes=kv_bytes(model, 64, 4),  # 64 blocks of 4 tokens: fewer than all need
+    )
+    settings = engine_settings(model, num_blocks=40, speculative=s)
+    engine = LLMEngine(model, None, settings, "tiny", draft_model=draft_model(kind))
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"g{i}", p, greedy, arrive_at_step=i) for i, p in enumerate(ps)]
+    subs += [Submission(f"s{i}", p, seeded(7 + i)) for i, p in enumerate(ps[:3])]
+    plain = run_engine(LLMEngine(model, None, engine_settings(model), "tiny"), subs)
+    got = run_engine(engine, subs)
+    assert outputs(got) == outputs(plain)
+    assert [got[(f"g{i}", 0)].token_ids for i in range(len(ps))] == refs
+    sp = engine.speculator
+    assert sp is not None and sp.num_proposed > 0
+    if kind == "same":  # every greedy proposal is kept
+        assert sp.num_accepted > 0.5 * sp.num_proposed
+    assert engine.pool.num_used == 0
+    assert sp.proposer.pool.num_used == 0  # type: ignore[attr-defined]  # the draft's blocks too
+
+
+def test_draft_model_must_share_the_vocabulary() -> None:
+    model = tiny_model("llama")
+    other = tiny_model("llama", vocab_size=TINY_VOCAB + 8)
+    s = SpeculativeSettings(method="draft", draft_model="x")
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(model, None, engine_settings(model, speculative=s), "tiny", draft_model=other)
