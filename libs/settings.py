@@ -105,11 +105,13 @@ class SpeculativeSettings(BaseModel):
     prompt_lookup_min: int = Field(default=2, ge=1, le=16)
     # "suffix": tokens of other requests' outputs kept for lookup (oldest dropped first).
     suffix_cache_tokens: int = Field(default=65536, ge=0)
-    # No proposals in a step where more sequences than this decode: a batch that large is
-    # compute-bound and verifying guesses costs more than it saves (docs/speculation.md).
-    disable_by_batch_size: int = Field(default=4, ge=0)
+    # No proposals in a step where more sequences than this decode (a hard cap; under it,
+    # `adaptive` weighs each sequence's acceptance against the measured cost of a proposal).
+    disable_by_batch_size: int = Field(default=32, ge=0)
     # Per sequence: the depth follows the acceptance rate (an EMA with this weight on the newest
-    # step), down to 0; a sequence at 0 tries one token again after `adaptive_probe_steps`.
+    # step), down to 0, and is 0 while the rate is below the break-even rate the engine fits
+    # from its own decode steps' times (docs/speculation.md); a sequence at 0 tries one token
+    # again after `adaptive_probe_steps`.
     adaptive: bool = True
     adaptive_weight: float = Field(default=0.5, gt=0.0, le=1.0)
     adaptive_probe_steps: int = Field(default=16, ge=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,7 +263,10 @@ class LLMEngine:
             return self._collect(resumed)
         # Metrics tell decode-only steps (the per-token cost) from those computing prompts.
         self.last_step_decode_only = all(i.num_new_tokens == 1 for i in sched.scheduled)
+        started = time.perf_counter()
         logits = self.runner.execute(sched.scheduled)  # [S, vocab]
+        if self.speculator is not None and self.last_step_decode_only:
+            self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         self.num_steps += 1
         return self._update(sched, logits, resumed)
 

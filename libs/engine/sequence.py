@@ -75,10 +75,11 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrival))
     # Speculative decoding (libs/engine/spec): tokens proposed for the coming step (never part
     # of token_ids until verified), the proposer's per-sequence index, the acceptance rate the
-    # adaptive depth follows (EMA, 0..1), steps spent at depth 0, and totals for the request.
+    # adaptive depth follows (EMA, 0..1; None: none measured yet, the worker's recent rate
+    # stands in), steps spent at depth 0, and totals for the request.
     spec_tokens: list[int] = field(default_factory=list)
     spec_index: Any = None
-    spec_rate: float = 1.0
+    spec_rate: float | None = None
     spec_idle: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0

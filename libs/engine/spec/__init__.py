@@ -76,6 +76,50 @@ class SuffixProposer(NgramProposer):
 
 PROPOSERS: dict[str, type[NgramProposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
 
+RATE_WEIGHT = 0.05  # weight of one verification in the worker's acceptance rate
+STEP_COST_DECAY = 0.99  # weight of a step in the cost fit, per later step
+STEP_COST_MIN_STEPS = 16  # decode steps before the fit is used
+
+
+class StepCost:
+    """The engine's decode forward time as ``a + b * rows`` (seconds; rows = decoding sequences
+    plus their proposals), fitted by exponentially weighted least squares over recent decode
+    steps. Speculation pays for a sequence when its acceptance rate exceeds
+    ``b * B / (a + b * B)`` with ``B`` sequences decoding: each proposal costs ``b``, and each
+    kept one is a token the batch got without a step."""
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.steps = 0
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = STEP_COST_DECAY
+        self.n = d * self.n + 1
+        self.sx = d * self.sx + rows
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + rows * rows
+        self.sxy = d * self.sxy + rows * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before enough decode steps of at least two sizes."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if self.steps < STEP_COST_MIN_STEPS or var <= 1e-9 * self.n * self.n:
+            return None
+        b = (self.n * self.sxy - self.sx * self.sy) / var
+        a = (self.sy - b * self.sx) / self.n
+        return a, b
+
+    def break_even(self, batch: int) -> float:
+        """Acceptance rate above which proposing pays with ``batch`` sequences decoding."""
+        ab = self.fit()
+        if ab is None:
+            return 0.0
+        a, b = ab
+        if b <= 0:
+            return 0.0
+        return b * batch / (max(a, 0.0) + b * batch)
+
 
 class Speculator:
     """Chooses which sequences speculate how deep each step, and keeps the acceptance figures."""
@@ -92,16 +136,21 @@ class Speculator:
         self._length = metrics.SPEC_ACCEPTED_LENGTH.labels(**labels)
         self.num_proposed = 0
         self.num_accepted = 0
+        self.cost = StepCost()
+        # Acceptance rate over the worker's recent verifications (EMA): a new sequence's prior.
+        self.rate = 1.0
 
-    def depth(self, seq: Sequence) -> int:
-        """How many tokens ``seq`` may have proposed this step (0: none)."""
+    def depth(self, seq: Sequence, break_even: float = 0.0) -> int:
+        """How many tokens ``seq`` may have proposed this step (0: none); ``break_even``: the
+        acceptance rate below which proposals cost more than they save (adaptive only)."""
         s = self.settings
         k = s.num_speculative_tokens
         cap = seq.sampling.num_speculative_tokens
         if cap is not None:
             k = min(k, cap)
         if k and s.adaptive:
-            k = round(k * seq.spec_rate)
+            rate = self.rate if seq.spec_rate is None else seq.spec_rate
+            k = round(k * rate) if rate >= break_even else 0
             if k == 0:
                 seq.spec_idle += 1
                 if seq.spec_idle < s.adaptive_probe_steps:
@@ -120,8 +169,9 @@ class Speculator:
             seq.spec_tokens = []
         if len(decoding) > self.settings.disable_by_batch_size:
             return
+        need = self.cost.break_even(len(decoding))
         for seq in decoding:
-            k = self.depth(seq)
+            k = self.depth(seq, need)
             if k:
                 seq.spec_tokens = self.proposer.propose(seq, k)
 
@@ -135,11 +185,17 @@ class Speculator:
         self._accepted.inc(accepted)
         self._length.observe(accepted)
         w = self.settings.adaptive_weight
-        seq.spec_rate = (1 - w) * seq.spec_rate + w * accepted / proposed
+        prior = self.rate if seq.spec_rate is None else seq.spec_rate
+        seq.spec_rate = (1 - w) * prior + w * accepted / proposed
+        self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * accepted / proposed
         seq.spec_idle = 0
 
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only forward of ``rows`` tokens took ``seconds`` (the engine, each step)."""
+        self.cost.add(rows, seconds)
 
 
 def make_speculator(

@@ -277,8 +277,10 @@ def test_unseeded_sampling_distribution_is_the_models() -> None:
 
     n = 4000
     settings = engine_settings(model, num_blocks=600, max_num_seqs=64, max_num_batched_tokens=512)
+    # Every request proposes (not adaptive: the test is about what verification keeps).
+    always = SPEC.model_copy(update={"adaptive": False})
     engine = LLMEngine(
-        model, None, settings.model_copy(update={"speculative": SPEC}), "tiny", seed=1
+        model, None, settings.model_copy(update={"speculative": always}), "tiny", seed=1
     )
     assert engine.speculator is not None
     engine.speculator.proposer = Fixed()
@@ -461,3 +463,33 @@ def test_draft_model_must_share_the_vocabulary() -> None:
     s = SpeculativeSettings(method="draft", draft_model="x")
     with pytest.raises(ValueError, match="vocabulary"):
         LLMEngine(model, None, engine_settings(model, speculative=s), "tiny", draft_model=other)
+
+
+def test_step_cost_fit_and_break_even_gate() -> None:
+    from libs.engine.spec import STEP_COST_MIN_STEPS, StepCost
+
+    cost = StepCost()
+    assert cost.break_even(8) == 0.0  # no fit yet: nothing is held back
+    for i in range(STEP_COST_MIN_STEPS):
+        rows = 1 + i % 5
+        cost.add(rows, 0.0066 + 0.0017 * rows)  # a = 6.6 ms, b = 1.7 ms a row (this CPU's)
+    fit = cost.fit()
+    assert fit is not None
+    assert math.isclose(fit[0], 0.0066, rel_tol=1e-6) and math.isclose(fit[1], 0.0017, rel_tol=1e-6)
+    assert math.isclose(cost.break_even(1), 0.0017 / 0.0083, rel_tol=1e-6)
+    assert cost.break_even(32) > 0.85  # a large batch needs nearly every proposal kept
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", adaptive_probe_steps=100), 64)
+    seq = make_seq(out=1)
+    seq.spec_rate = 0.6
+    assert sp.depth(seq, break_even=0.5) == 2 and sp.depth(seq, break_even=0.7) == 0
+
+
+def test_a_new_sequence_starts_from_the_workers_recent_acceptance() -> None:
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=4), 64)
+    assert sp.depth(make_seq(out=1)) == 4  # nothing measured yet: optimistic
+    old = make_seq(out=1)
+    for _ in range(60):  # the worker's proposals mostly fail
+        sp.record(old, 4, 0)
+    assert sp.rate < 0.1
+    fresh = make_seq(out=1)
+    assert sp.depth(fresh, break_even=0.5) == 0  # a newcomer does not pay to find out again
