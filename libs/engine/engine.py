@@ -257,7 +257,14 @@ class LLMEngine:
         """Schedule, run one forward, sample, and report new output."""
         resumed, self._resumed = self._resumed, []
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            try:
+                self.speculator.propose(self.scheduler.running)
+            except Exception:
+                # Proposals only ever save time: a proposer's failure costs this step's, never
+                # a request.
+                log.exception("speculative proposals failed; this step runs without them")
+                for seq in self.scheduler.running:
+                    seq.spec_tokens = []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._collect(resumed)

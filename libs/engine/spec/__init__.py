@@ -113,12 +113,12 @@ class StepCost:
     def break_even(self, batch: int) -> float:
         """Acceptance rate above which proposing pays with ``batch`` sequences decoding."""
         ab = self.fit()
-        if ab is None:
+        if ab is None or batch <= 0:
             return 0.0
         a, b = ab
         if b <= 0:
             return 0.0
-        return b * batch / (max(a, 0.0) + b * batch)
+        return b * batch / (max(a, 0.0) + b * batch)  # > 0: b > 0 and batch > 0
 
 
 class Speculator:

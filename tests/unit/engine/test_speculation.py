@@ -478,6 +478,11 @@ def test_step_cost_fit_and_break_even_gate() -> None:
     assert math.isclose(fit[0], 0.0066, rel_tol=1e-6) and math.isclose(fit[1], 0.0017, rel_tol=1e-6)
     assert math.isclose(cost.break_even(1), 0.0017 / 0.0083, rel_tol=1e-6)
     assert cost.break_even(32) > 0.85  # a large batch needs nearly every proposal kept
+    assert cost.break_even(0) == 0.0  # nothing decoding (prompts only): no division by zero
+    steep = StepCost()
+    for i in range(STEP_COST_MIN_STEPS):
+        steep.add(1 + i % 2, 0.001 * (1 + i % 2))  # a = 0: all cost is per row
+    assert steep.break_even(1) == 1.0 and steep.break_even(0) == 0.0
     sp = ngram_speculator(SpeculativeSettings(method="ngram", adaptive_probe_steps=100), 64)
     seq = make_seq(out=1)
     seq.spec_rate = 0.6
@@ -493,3 +498,24 @@ def test_a_new_sequence_starts_from_the_workers_recent_acceptance() -> None:
     assert sp.rate < 0.1
     fresh = make_seq(out=1)
     assert sp.depth(fresh, break_even=0.5) == 0  # a newcomer does not pay to find out again
+
+
+def test_a_failing_proposer_never_fails_a_request() -> None:
+    model = tiny_model("llama")
+    p = prompts()[1]
+    ref = reference_greedy(model, p, MAX_NEW)
+
+    class Broken:
+        name = "broken"
+
+        def propose(self, seq: Sequence, k: int) -> list[int]:
+            raise RuntimeError("proposer bug")
+
+        def finished(self, seq: Sequence) -> None:
+            pass
+
+    engine = LLMEngine(model, None, engine_settings(model, speculative=SPEC), "tiny")
+    assert engine.speculator is not None
+    engine.speculator.proposer = Broken()
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    assert run_engine(engine, [Submission("b", p, greedy)])[("b", 0)].token_ids == ref
