@@ -8,8 +8,9 @@ import pytest
 
 from libs.settings import Settings
 
-# A real-model fleet on a small KV budget; append the pool's own keys (mode = ...) at the end,
-# since the last table is the pool.
+# A real-model fleet on a small KV budget, speculating (prompt lookup, as `make run` does: every
+# real-fleet test then checks that it changes no answer); append the pool's own keys
+# (mode = ...) at the end, since the last table is the pool.
 REAL_FLEET = """
 [gateway]
 auth_enabled = false
@@ -18,6 +19,8 @@ metrics_port = 0
 [engine]
 kv_cache_bytes = 134217728
 max_num_seqs = 16
+[engine.speculative]
+method = "ngram"
 [[pools]]
 name = "default"
 model = "smollm2-135m-instruct"

@@ -4,6 +4,7 @@ proposer, equals ``model.generate``'s tokens, and most proposals are kept."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from libs.settings import EngineSettings, SpeculativeSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MAX_TOKENS = 160
+MAX_TOKENS = 120
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_code_edit_equals_generate_and_keeps_proposals(smollm2: Path, method: str) -> None:
+@pytest.fixture(scope="module")
+def code_edits(smollm2: Path) -> tuple[Any, Any, list[list[int]], list[list[int]]]:
+    """The model, its tokenizer, two code-edit prompts and ``model.generate``'s greedy answers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2)
@@ -33,6 +35,14 @@ def test_code_edit_equals_generate_and_keeps_proposals(smollm2: Path, method: st
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
             refs.append([int(t) for t in out[0, len(ids) :]])
+    return model, tok, prompts, refs
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_code_edit_equals_generate_and_keeps_proposals(
+    code_edits: tuple[Any, Any, list[list[int]], list[list[int]]], method: str
+) -> None:
+    model, tok, prompts, refs = code_edits
     settings = EngineSettings(
         kv_cache_bytes=64 * 2**20,
         speculative=SpeculativeSettings(method=method, disable_by_batch_size=4),
@@ -50,8 +60,6 @@ def test_code_edit_equals_generate_and_keeps_proposals(smollm2: Path, method: st
     sp = engine.speculator
     assert sp is not None
     tokens = sum(len(r) for r in refs)
-    print(
-        f"{method}: {sp.num_accepted}/{sp.num_proposed} kept, {engine.num_steps} steps, {tokens} tokens"
-    )
+    print(f"{method}: {sp.num_accepted}/{sp.num_proposed} kept, {engine.num_steps} steps")
     assert sp.num_accepted > 0.5 * sp.num_proposed  # the answer copies the prompt
-    assert engine.num_steps < 0.6 * tokens  # and so takes far fewer forwards than tokens
+    assert engine.num_steps < 0.7 * tokens  # and so takes far fewer forwards than tokens
