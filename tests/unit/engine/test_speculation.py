@@ -13,6 +13,7 @@ import math
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 import torch
 
@@ -519,3 +520,42 @@ def test_a_failing_proposer_never_fails_a_request() -> None:
     engine.speculator.proposer = Broken()
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     assert run_engine(engine, [Submission("b", p, greedy)])[("b", 0)].token_ids == ref
+
+
+@pytest.mark.parametrize("migrated", [False, True])
+def test_handoff_and_migration_with_proposals_equal_one_engine(migrated: bool) -> None:
+    """A decode engine that speculates after a KV handoff (the first token given), or after a
+    migration (earlier output replayed), gives the uninterrupted run's tokens, greedy and
+    seeded; the prefill side's exported blocks hold verified tokens only."""
+    from libs.backend import Resume
+    from libs.engine import kv_transfer
+
+    model = tiny_model("llama", seed=3)
+    prompt = list(range(5, 35))
+    for sampling in (
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+        seeded(11),
+    ):
+        whole = run_engine(
+            LLMEngine(model, None, engine_settings(model), "tiny"),
+            [Submission("r", prompt, sampling)],
+        )[("r", 0)]
+        prefill = LLMEngine(model, None, engine_settings(model, speculative=SPEC), "tiny")
+        kept = 6 if migrated else 1
+        head = msgspec.structs.replace(sampling, max_tokens=kept)
+        before = run_engine(prefill, [Submission("r", prompt, head)])[("r", 0)]
+        assert before.token_ids == whole.token_ids[:kept]
+        kv = prefill.export_prefix(prompt + before.token_ids[:-1])
+        assert kv is not None
+        decode = scripted_engine(model, {("r", 0): whole.token_ids})
+        decode.import_prefix(kv_transfer.decode(kv_transfer.encode(kv)))
+        resume = (
+            Resume(replayed=before.token_ids)
+            if migrated
+            else Resume(before.token_ids[0], before.logprobs[0] if before.logprobs else None)
+        )
+        decode.add_request("r", prompt, sampling, resume=resume)
+        after = run_engine(decode, [])[("r", 0)]
+        expected = whole.token_ids[kept:] if migrated else whole.token_ids
+        assert after.token_ids == expected
+        assert decode.speculator is not None and decode.speculator.num_accepted > 0
