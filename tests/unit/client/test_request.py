@@ -46,6 +46,7 @@ def test_request_maps_http_fields_onto_the_wire() -> None:
         ({"prompt": "a", "n": 0}, "$.sampling.n"),
         ({"prompt": "a", "request_id": "has.dot"}, "request_id"),
         ({"prompt": "a", "priority": "urgent"}, "priority"),
+        ({"prompt": "a", "num_speculative_tokens": 17}, "num_speculative_tokens"),
     ],
 )
 def test_invalid_requests_fail_before_sending(kwargs: dict[str, object], needle: str) -> None:

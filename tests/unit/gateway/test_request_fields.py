@@ -69,6 +69,8 @@ def test_refused_chat_fields_name_themselves(client: TestClient, field: str) -> 
         ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities.0"),
         ("/v1/chat/completions", {"store": True}, "store"),
         ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+        ("/v1/chat/completions", {"num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ("/v1/chat/completions", {"num_speculative_tokens": -1}, "num_speculative_tokens"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, None),
@@ -102,9 +104,14 @@ def test_fields_map_onto_the_wire() -> None:
             "metadata": {"team": "x"},
             "service_tier": "auto",
             "store": False,
+            "num_speculative_tokens": 0,
         }
     )
     sp = b.sampling(16, None)
+    assert sp.num_speculative_tokens == 0
+    assert (
+        ChatCompletionRequest.model_validate(CHAT).sampling(16, None).num_speculative_tokens is None
+    )
     assert sp.structured == StructuredOutput(json={"type": "object"})
     assert sp.logit_bias == {"12": -5.0}
     tools, choice, name = b.wire_tools()
