@@ -280,8 +280,7 @@ class LLMEngine:
     def _update(
         self, sched: SchedulerOutput, logits: torch.Tensor, resumed: list[Sequence]
     ) -> list[StepOutput]:
-        rows: list[SamplingRow] = []
-        row_logits: list[int] = []  # logits row of each sampling row
+        row_logits: list[int] = []  # logits row of each sampling sequence
         sampling_seqs: list[Sequence] = []
         new_children: list[Sequence] = []
         # (sequence, its first logits row, its proposals) of each speculating sequence
@@ -299,9 +298,6 @@ class LLMEngine:
                 family += self._fork(seq)
                 new_children += family[1:]
             for s in family:
-                rows.append(
-                    SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts, s.matcher)
-                )
                 row_logits.append(num_logit_rows)
                 sampling_seqs.append(s)
             if item.spec:
@@ -309,19 +305,29 @@ class LLMEngine:
             num_logit_rows += 1 + len(item.spec)
 
         touched: list[Sequence] = list(resumed)
-        if rows:
-            # One logits row per sampling row unless n > 1 choices were just forked.
+        if sampling_seqs:
+            # One logits row per sampling sequence unless n > 1 choices were just forked or
+            # proposals were run.
             same = len(row_logits) == logits.shape[0]
-            out = self.sampler(logits if same else logits[row_logits], rows)
-            for seq, token, lp in zip(sampling_seqs, out.token_ids, out.logprobs, strict=True):
-                self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
-                touched.append(seq)
+            self._sample(sampling_seqs, logits if same else logits[row_logits])
+            touched += sampling_seqs
         if verifying:
             self._verify(verifying, logits)
         for child in new_children:
             if not child.is_finished:
                 self.scheduler.add(child)
         return self._collect(touched)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each of ``seqs`` from its row of ``logits`` ``[len(seqs),
+        vocab]`` and append it (detokenizer, stops, grammar, penalty counts)."""
+        rows = [
+            SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts, s.matcher)
+            for s in seqs
+        ]
+        out = self.sampler(logits, rows)
+        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
+            self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
 
     def _verify(self, items: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor) -> None:
         """Keep each sequence's proposals while they equal what the model samples.
@@ -351,14 +357,7 @@ class LLMEngine:
             r += 1
             if not nxt:
                 break
-            seqs = [items[j][0] for j in nxt]
-            rows = [
-                SamplingRow(s.sampling, s.generator, s.token_ids, s.output_counts, s.matcher)
-                for s in seqs
-            ]
-            out = self.sampler(logits[[items[j][1] + r for j in nxt]], rows)
-            for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
-                self._append(seq, token, self._logprob_entry(lp) if lp is not None else None)
+            self._sample([items[j][0] for j in nxt], logits[[items[j][1] + r for j in nxt]])
             alive = nxt
         for (seq, _, spec), n in zip(items, kept, strict=True):
             self.speculator.record(seq, len(spec), n)

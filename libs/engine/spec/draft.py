@@ -4,14 +4,15 @@ target's vocabulary proposes ``k`` tokens greedily.
 Owned by the engine's :class:`~libs.engine.spec.Speculator`; runs on the engine thread. The
 draft model has its own :class:`~libs.engine.model_runner.ModelRunner` (its own paged KV cache
 of ``speculative.draft_kv_cache_bytes``, no prefix caching, never compiled) and one shadow
-:class:`~libs.engine.sequence.Sequence` per speculating sequence (``Sequence.spec_index``)
-holding the draft's blocks. Each proposal first brings the shadow up to the sequence's verified
+sequence per speculating sequence (``Sequence.spec_index``) holding the draft's blocks. Each proposal first brings the shadow up to the sequence's verified
 tokens — recomputing from the first position where its last proposals were not kept — then runs
 one forward per proposed token. Greedy proposals are point masses, so the engine's
 sample-and-compare verification is exact for them (decision 0013).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,14 @@ from libs.engine.model_runner import ModelRunner
 from libs.engine.scheduler import ScheduledSeq
 from libs.engine.sequence import Sequence
 from libs.settings import EngineSettings, SpeculativeSettings
+
+
+@dataclass(slots=True)
+class _Shadow:
+    """The draft's copy of one speculating sequence (``Sequence.spec_index``)."""
+
+    seq: Sequence  # its tokens (verified, then the last proposals) and the draft's blocks
+    verified: int = 0  # tokens of the target sequence the shadow held at its last proposal
 
 
 class DraftProposer:
@@ -45,22 +54,24 @@ class DraftProposer:
         return self.runner.shape.vocab_size
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        shadow: Sequence | None = seq.spec_index
-        if shadow is None:
-            shadow = Sequence(seq.request_id, seq.index, [], 0, seq.sampling)
-            seq.spec_index = shadow
+        state: _Shadow | None = seq.spec_index
+        if state is None:
+            state = _Shadow(Sequence(seq.request_id, seq.index, [], 0, seq.sampling))
+            seq.spec_index = state
+        shadow = state.seq
         # The shadow's K/V are valid up to the first token where it and the sequence differ
-        # (a proposal that was not kept); the sequence itself only ever grows.
+        # (a proposal that was not kept); the sequence itself only ever grows, so only the
+        # tokens after those it held verified at the last proposal are compared.
         tokens = seq.token_ids
         # At least the last token runs again: its logits give the first proposal (a sequence
         # the scheduler left out of the last step still has the shadow ahead of it).
         same = min(shadow.num_computed_tokens, len(tokens) - 1)
-        for i in range(shadow.num_prompt_tokens, same):  # num_prompt_tokens: verified mark
+        for i in range(state.verified, same):
             if shadow.token_ids[i] != tokens[i]:
                 same = i
                 break
         shadow.token_ids = list(tokens)
-        shadow.num_prompt_tokens = len(tokens)
+        state.verified = len(tokens)
         shadow.num_computed_tokens = same
         # Catch up to the last verified token (sampling there), then one token per proposal.
         if not self.kv.can_grow(shadow, len(tokens) - same + k):
@@ -78,9 +89,9 @@ class DraftProposer:
         return out
 
     def finished(self, seq: Sequence) -> None:
-        shadow = seq.spec_index
-        if isinstance(shadow, Sequence):
-            self.kv.free(shadow)
+        state = seq.spec_index
+        if isinstance(state, _Shadow):
+            self.kv.free(state.seq)
         seq.spec_index = None
 
 

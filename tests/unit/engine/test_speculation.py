@@ -354,8 +354,7 @@ def test_suffix_proposer_uses_other_requests_outputs() -> None:
 
 
 def make_seq(out: int = 0, **kw: object) -> Sequence:
-    seq = Sequence("r", 0, list(range(10 + out)), 10, SamplingParams(max_tokens=20, **kw))  # type: ignore[arg-type]
-    return seq
+    return Sequence("r", 0, list(range(10 + out)), 10, SamplingParams(max_tokens=20, **kw))  # type: ignore[arg-type]
 
 
 def ngram_speculator(s: SpeculativeSettings, max_model_len: int) -> Speculator:
@@ -473,7 +472,7 @@ def test_step_cost_fit_and_break_even_gate() -> None:
     assert cost.break_even(8) == 0.0  # no fit yet: nothing is held back
     for i in range(STEP_COST_MIN_STEPS):
         rows = 1 + i % 5
-        cost.add(rows, 0.0066 + 0.0017 * rows)  # a = 6.6 ms, b = 1.7 ms a row (this CPU's)
+        cost.add(rows, 0.0066 + 0.0017 * rows)  # a = 6.6 ms, b = 1.7 ms a row
     fit = cost.fit()
     assert fit is not None
     assert math.isclose(fit[0], 0.0066, rel_tol=1e-6) and math.isclose(fit[1], 0.0017, rel_tol=1e-6)
