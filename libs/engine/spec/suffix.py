@@ -9,8 +9,6 @@ output is dropped first, with the index entries that still point into it.
 
 from __future__ import annotations
 
-from collections import deque
-
 from libs.engine.spec.ngram import NgramIndex
 
 
@@ -21,10 +19,9 @@ class SuffixCache:
         self.min_n = min_n
         self.max_n = max_n
         self.max_tokens = max_tokens
-        self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (id, tokens), oldest first
+        self._outputs: dict[int, tuple[int, ...]] = {}  # id → tokens, oldest first
         # n-gram → (output id, end position in it) of its newest copy.
         self._last: dict[tuple[int, ...], tuple[int, int]] = {}
-        self._by_id: dict[int, tuple[int, ...]] = {}
         self._next_id = 0
         self.num_tokens = 0
 
@@ -35,8 +32,7 @@ class SuffixCache:
         tokens = tuple(output[-self.max_tokens :])
         oid = self._next_id
         self._next_id += 1
-        self._outputs.append((oid, tokens))
-        self._by_id[oid] = tokens
+        self._outputs[oid] = tokens
         self.num_tokens += len(tokens)
         for i in range(len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, i + 1) + 1):
@@ -45,8 +41,8 @@ class SuffixCache:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        oid, tokens = self._outputs.popleft()
-        del self._by_id[oid]
+        oid = next(iter(self._outputs))
+        tokens = self._outputs.pop(oid)
         self.num_tokens -= len(tokens)
         for i in range(len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, i + 1) + 1):
@@ -60,7 +56,7 @@ class SuffixCache:
             hit = self._last.get(tuple(tail[len(tail) - n :]))
             if hit is not None:
                 oid, end = hit
-                return list(self._by_id[oid][end + 1 : end + 1 + k])
+                return list(self._outputs[oid][end + 1 : end + 1 + k])
         return []
 
 
