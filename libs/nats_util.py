@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats
@@ -56,8 +58,30 @@ def server_urls(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+def tls_context(ca_file: str, cert_file: str = "", key_file: str = "") -> ssl.SSLContext:
+    """A client TLS context that verifies the server against ``ca_file`` (and presents a
+    client certificate when ``cert_file`` is given)."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file or None)
+    return ctx
+
+
+def auth_options(
+    nkey_seed_file: str = "", tls_ca_file: str = "", tls_cert_file: str = "", tls_key_file: str = ""
+) -> dict[str, Any]:
+    """nats-py ``connect`` keyword arguments for an nkey seed file and TLS (none when empty)."""
+    opts: dict[str, Any] = {}
+    if nkey_seed_file:
+        opts["nkeys_seed"] = nkey_seed_file
+    if tls_ca_file:
+        opts["tls"] = tls_context(tls_ca_file, tls_cert_file, tls_key_file)
+    return opts
+
+
 async def connect(settings: NatsSettings, name: str) -> NATS:
-    """Connect to ``settings.url``; retries the first connect a few times, then forever on loss."""
+    """Connect to ``settings.url`` with its credentials (nkey seed, TLS); retries the first
+    connect a few times, then forever on loss."""
 
     async def on_disconnect() -> None:
         log.warning("nats disconnected", extra=fields(client=name))
@@ -82,6 +106,12 @@ async def connect(settings: NatsSettings, name: str) -> NATS:
         reconnected_cb=on_reconnect,
         error_cb=on_error,
         closed_cb=on_closed,
+        **auth_options(
+            settings.nkey_seed_file,
+            settings.tls_ca_file,
+            settings.tls_cert_file,
+            settings.tls_key_file,
+        ),
     )
 
 
@@ -117,7 +147,7 @@ def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=settings.requests_stream,
-            subjects=[subjects.requests],
+            subjects=[subjects.requests, subjects.team_requests_all],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             max_age=settings.request_max_age_s,
@@ -154,13 +184,15 @@ async def provision(js: JetStreamContext, settings: NatsSettings) -> None:
         await ensure_stream(js, cfg)
 
 
-def work_queue_consumer(durable: str, filter_subject: str, ack_wait_s: float) -> ConsumerConfig:
+def work_queue_consumer(
+    durable: str, filter_subjects: list[str], ack_wait_s: float
+) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s,
         max_deliver=-1,
-        filter_subject=filter_subject,
+        filter_subjects=filter_subjects,
         deliver_policy=DeliverPolicy.ALL,
     )
 

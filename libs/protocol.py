@@ -21,6 +21,7 @@ Data flow (see docs/architecture.md):
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -159,6 +160,11 @@ class GenerateRequest(Struct, kw_only=True):
     priority: Priority = "interactive"
     reply_subject: str = ""  # empty: Subjects.stream(request_id)
     api_key_id: str | None = None
+    # The team (NATS account, docs/security.md) the request is billed and limited as. Set by
+    # the fleet, never believed from a team: the router overwrites it (and ``reply_subject``)
+    # from the subject a team's request arrived on (``Subjects.team_requests``); the gateway
+    # sets it from the API key's team.
+    team: str | None = None
     user: str | None = None
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
     # Extra stream messages: echo the chosen route before the first token.
@@ -318,6 +324,7 @@ ErrorCode = Literal[
     "no_capacity",
     "no_worker",
     "rate_limited",
+    "permission_denied",
     "cancelled",
     "timeout",
     "internal_error",
@@ -333,6 +340,7 @@ ERROR_HTTP_STATUS: dict[str, int] = {
     "no_capacity": 503,
     "no_worker": 503,
     "rate_limited": 429,
+    "permission_denied": 403,
     "cancelled": 499,
     "timeout": 504,
     "internal_error": 500,
@@ -476,6 +484,15 @@ class HandoffResult(Struct):
     reason: str = ""  # failed: "unknown_transfer" | "missing_chunks" | "bad_blocks: …"
 
 
+class TeamsChanged(Struct, kw_only=True):
+    """``strait teams add/revoke`` → ``Subjects.teams_changed`` (core NATS, fleet account only):
+    routers reload the teams file now. Teams in ``revoked`` are refused from now on and their
+    running requests are cancelled (nats-server has already closed their connections)."""
+
+    v: int = PROTOCOL_VERSION
+    revoked: list[str] = msgspec.field(default_factory=list)
+
+
 class DrainRequest(Struct, kw_only=True):
     """Operator → ``Subjects.drain(worker_id)`` (core NATS; ``strait drain``): the worker does
     what SIGTERM makes it do — takes no new work, lets running requests finish for
@@ -514,6 +531,7 @@ class UsageEvent(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     request_id: str
     api_key_id: str | None = None
+    team: str | None = None  # GenerateRequest.team
     pool: str = ""
     model: str = ""
     worker_id: str = ""
@@ -670,6 +688,11 @@ class Subjects:
     def requests(self) -> str:
         return f"{self.prefix}.requests"
 
+    @property
+    def team_requests_all(self) -> str:
+        """Every team's requests subject (the requests stream takes these and ``requests``)."""
+        return f"{self.prefix}.requests.*"
+
     def stream(self, request_id: str) -> str:
         return f"{self.prefix}.stream.{request_id}"
 
@@ -678,14 +701,47 @@ class Subjects:
 
     @property
     def cancel_all(self) -> str:
-        return f"{self.prefix}.cancel.*"
+        """The fleet's cancels and the teams' (``cancel.<team>.<request_id>``)."""
+        return f"{self.prefix}.cancel.>"
 
     def resend(self, request_id: str) -> str:
         return f"{self.prefix}.resend.{request_id}"
 
     @property
     def resend_all(self) -> str:
-        return f"{self.prefix}.resend.*"
+        return f"{self.prefix}.resend.>"
+
+    # A team's account (docs/security.md) imports the fleet's ``requests.<team>`` as its own
+    # ``requests``, ``cancel.<team>.*`` / ``resend.<team>.*`` as ``cancel.*`` / ``resend.*``,
+    # and ``stream.<team>.*`` as ``stream.*``: a team's client uses the plain names, and the
+    # fleet reads the sender's team from the subject, which the server wrote, not the sender.
+
+    def team_requests(self, team: str) -> str:
+        return f"{self.prefix}.requests.{team}"
+
+    def team_stream(self, team: str, request_id: str) -> str:
+        return f"{self.prefix}.stream.{team}.{request_id}"
+
+    def team_of(self, subject: str, kind: Literal["requests", "cancel", "resend"]) -> str | None:
+        """The team token of a team's ``requests``/``cancel``/``resend`` subject; None for the
+        fleet's own (``requests``, ``cancel.<id>``, ``resend.<id>``). Raises ValueError for a
+        subject of neither shape."""
+        head = f"{self.prefix}.{kind}"
+        if subject == head and kind == "requests":
+            return None
+        if not subject.startswith(head + "."):
+            raise ValueError(f"not a {kind} subject: {subject!r}")
+        tokens = subject[len(head) + 1 :].split(".")
+        own = 0 if kind == "requests" else 1  # tokens a fleet subject has after the head
+        if len(tokens) == own:
+            return None
+        if len(tokens) == own + 1 and valid_team(tokens[0]):
+            return tokens[0]
+        raise ValueError(f"not a {kind} subject: {subject!r}")
+
+    @property
+    def teams_changed(self) -> str:
+        return f"{self.prefix}.admin.teams"
 
     def work(self, worker_id: str) -> str:
         return f"{self.prefix}.work.{worker_id}"
@@ -770,6 +826,12 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 MAX_REQUEST_ID_CHARS = 128
+# A team name is a subject token and part of a NATS account name.
+TEAM_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def valid_team(name: str) -> bool:
+    return TEAM_NAME.fullmatch(name) is not None
 
 
 def usable_request_id(rid: str) -> bool:

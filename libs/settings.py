@@ -47,6 +47,28 @@ class NatsSettings(BaseModel):
     # Copies of each JetStream stream in a NATS cluster (1 on one server; 3 on the 3-node
     # cluster of deploy/k8s, so a lost node loses no queued request or usage event).
     stream_replicas: int = 1
+    # Credentials (docs/security.md; empty: none, the embedded single-account server).
+    # An nkey seed file ("SU..."): the fleet's own in a secured fleet (`strait up --secure`).
+    nkey_seed_file: str = ""
+    # Verify the server's certificate against this CA (PEM); set, connections use TLS.
+    tls_ca_file: str = ""
+    # A client certificate and key (PEM), for servers that verify clients too.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+
+class TeamsSettings(BaseModel):
+    """Teams on NATS (docs/security.md). The router reads the teams file that ``strait teams``
+    writes: each team's limits, and which teams are revoked."""
+
+    # Empty: <state_dir>/secure/teams.json.
+    file: str = ""
+    # Limits of a team whose entry sets none, with the gateway's semantics (per router replica).
+    default_rpm: int = 600
+    default_tpm: int = 200_000
+    # Seconds between checks of the file's modification time (a change is also announced on
+    # Subjects.teams_changed by `strait teams`).
+    reload_interval_s: float = 2.0
 
 
 class GatewaySettings(BaseModel):
@@ -416,6 +438,7 @@ class Settings(BaseSettings):
     models: ModelsSettings = Field(default_factory=ModelsSettings)
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    teams: TeamsSettings = Field(default_factory=TeamsSettings)
     pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
     state_dir: str = Field(
         default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
@@ -455,6 +478,12 @@ class Settings(BaseSettings):
         """Where inductor keeps compiled graphs (``engine.compile``) for ``strait up``'s
         processes (``TORCHINDUCTOR_CACHE_DIR``; libs/engine/warm.py fills it ahead)."""
         return Path(self.state_dir).resolve() / "inductor"
+
+    @property
+    def teams_file(self) -> Path:
+        if self.teams.file:
+            return Path(self.teams.file)
+        return Path(self.state_dir) / "secure" / "teams.json"
 
     @property
     def database_url(self) -> str:

@@ -3,7 +3,9 @@
 strait up                    the whole fleet on this machine (foreground)
 strait gateway|router|prefill|decode|cache
                              one service (for compose and Kubernetes)
+strait up --secure           the same behind a secured nats-server (accounts per team, TLS)
 strait keys create|list|revoke
+strait teams add|list|revoke teams on NATS: credentials and the server's accounts
 strait models prepare|convert|list
 strait bench serve|engine|quality|structured
 strait drain WORKER_ID       drain one worker over NATS (as SIGTERM does), then it exits
@@ -18,15 +20,25 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
+
 from libs.settings import Settings, get_settings
 
 SERVICES = ("gateway", "router", "prefill", "decode", "cache")
+# Seconds `strait teams` waits to tell the running fleet of a change.
+ANNOUNCE_TIMEOUT_S = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strait", description="Strait: LLM serving over NATS.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("up", help="run the whole fleet in the foreground")
+    up = sub.add_parser("up", help="run the whole fleet in the foreground")
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="start a nats-server of the fleet's own with an account per team (strait teams) "
+        "and TLS from a development CA under <state_dir>/secure (docs/security.md)",
+    )
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service")
 
@@ -44,6 +56,24 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_parser("list", help="list keys (never their secrets)")
     kr = keys.add_parser("revoke", help="revoke a key by id")
     kr.add_argument("key_id")
+    kc.add_argument("--team", default=None, help="the team (strait teams) the key bills as")
+
+    teams = sub.add_parser(
+        "teams", help="teams on NATS: accounts, credentials, limits (docs/security.md)"
+    ).add_subparsers(dest="action", required=True)
+    ta = teams.add_parser("add", help="add a team: writes its nkey seed and the server config")
+    ta.add_argument("name")
+    ta.add_argument(
+        "--rpm", type=int, default=None, help="requests per minute (default: teams.default_rpm)"
+    )
+    ta.add_argument(
+        "--tpm", type=int, default=None, help="tokens per minute (default: teams.default_tpm)"
+    )
+    teams.add_parser("list", help="list teams (never their seeds)")
+    tr = teams.add_parser(
+        "revoke", help="revoke a team: its connections close and its requests are cancelled"
+    )
+    tr.add_argument("name")
 
     models = sub.add_parser("models", help="prepare local models").add_subparsers(
         dest="action", required=True
@@ -83,7 +113,9 @@ def _keys(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     if args.action == "create":
-        key_id, secret = asyncio.run(keydb.create_key(settings, args.name, args.rpm, args.tpm))
+        key_id, secret = asyncio.run(
+            keydb.create_key(settings, args.name, args.rpm, args.tpm, team=args.team)
+        )
         print(f"id:     {key_id}\nsecret: {secret}\n(the secret is shown only now)")
     elif args.action == "list":
         for row in asyncio.run(keydb.list_keys(settings)):
@@ -92,6 +124,47 @@ def _keys(args: argparse.Namespace) -> int:
         ok = asyncio.run(keydb.revoke_key(settings, args.key_id))
         print("revoked" if ok else f"no such key: {args.key_id}")
         return 0 if ok else 1
+    return 0
+
+
+def _teams(settings: Settings, args: argparse.Namespace) -> int:
+    from libs.security.fleet import SecureFleet
+    from libs.security.teams import TeamError
+    from services.supervisor import nats_server_binary
+
+    sf = SecureFleet(settings)
+    try:
+        if args.action == "list":
+            for t in sf.store.load().teams:
+                print(json.dumps(msgspec.to_builtins(t)))
+            return 0
+        if args.action == "add":
+            team = sf.store.add(args.name, args.rpm, args.tpm)
+            revoked: list[str] = []
+        else:
+            team = sf.store.revoke(args.name)
+            revoked = [team.name]
+    except TeamError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    sf.write_config()
+    reloaded = sf.reload_server(nats_server_binary())
+    if reloaded:
+        try:
+            asyncio.run(asyncio.wait_for(sf.announce(revoked), ANNOUNCE_TIMEOUT_S))
+        except Exception as e:  # the file and the server have it: routers read it within seconds
+            print(f"could not tell the fleet at once ({e!r}); it reads the teams file soon")
+    where = "the running server reloaded it" if reloaded else "no secured server runs now"
+    if args.action == "add":
+        print(
+            f"team {team.name}: nkey {team.public_key}\n"
+            f"  credentials: {sf.store.seed_file(team.name)}  (hand this file to the team)\n"
+            f"  connect: NATS_URL=tls://{sf.host}:{sf.port} NATS_NKEY=<that file> "
+            f"NATS_CA={sf.tls.ca}\n"
+            f"  server config {sf.conf} ({where})"
+        )
+    else:
+        print(f"team {team.name} revoked ({where}; its requests are cancelled)")
     return 0
 
 
@@ -134,15 +207,14 @@ def _schemas(out: str) -> int:
 
 def _drain(settings: Settings, worker_id: str, reason: str) -> int:
     """Publish a DrainRequest to one worker and wait for its acknowledgement."""
-    import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from libs.nats_util import server_urls
+    from libs.nats_util import connect
     from libs.protocol import DrainRequest, Subjects, encode
 
     async def run() -> int:
-        nc = await nats.connect(servers=server_urls(settings.nats.url))
+        nc = await connect(settings.nats, "strait-drain")
         try:
             msg = DrainRequest(worker_id=worker_id, reason=reason)
             subject = Subjects(settings.nats.subject_prefix).drain(worker_id)
@@ -164,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         from services.supervisor import up
 
-        return up(settings)
+        return up(settings, secure=args.secure)
     if args.cmd == "gateway":
         from services.gateway.main import main as gateway_main
 
@@ -187,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return cache_main(settings)
     if args.cmd == "keys":
         return _keys(args)
+    if args.cmd == "teams":
+        return _teams(settings, args)
     if args.cmd == "drain":
         return _drain(settings, args.worker_id, args.reason)
     if args.cmd == "models":

@@ -89,6 +89,8 @@ class Fleet:
     settings: Settings
     children: list[Child] = field(default_factory=list)
     nats_proc: subprocess.Popen[bytes] | None = None
+    # The secured fleet's NATS credentials for every child (``strait up --secure``).
+    secure_env: dict[str, str] = field(default_factory=dict)
 
     def child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -96,12 +98,16 @@ class Fleet:
         env["NATS_URL"] = self.settings.nats.url
         env["DATABASE_URL"] = self.settings.database_url
         env.setdefault("STRAIT_TELEMETRY__LOG_JSON", "false")
+        env.update(self.secure_env)
         # Compiled graphs (engine.compile) live with the fleet's state, warmed by warm_pools.
         env["TORCHINDUCTOR_CACHE_DIR"] = USER_INDUCTOR_DIR or str(self.settings.compile_cache_dir)
         env.update(extra)
         return env
 
-    def ensure_nats(self) -> None:
+    def ensure_nats(self, secure: bool = False) -> None:
+        if secure:
+            self._ensure_secure_nats()
+            return
         url = urlparse(self.settings.nats.url)
         host, port = url.hostname or "127.0.0.1", url.port or 4222
         if port_open(host, port):
@@ -109,17 +115,46 @@ class Fleet:
             return
         state = Path(self.settings.state_dir)
         conf = write_nats_config(state, host, port, self.settings.nats.max_payload)
-        log = open(state / "nats.log", "ab")
+        self._start_nats(conf, state / "nats.log", host, port)
+        say(
+            f"started nats-server (JetStream, data in {state / 'nats'}) at {self.settings.nats.url}"
+        )
+
+    def _start_nats(self, conf: Path, log_path: Path, host: str, port: int) -> None:
+        log = open(log_path, "ab")
         self.nats_proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log
         )
         deadline = time.monotonic() + 10
         while not port_open(host, port):
             if self.nats_proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"nats-server did not start; see {state / 'nats.log'}")
+                raise SystemExit(f"nats-server did not start; see {log_path}")
             time.sleep(0.1)
+
+    def _ensure_secure_nats(self) -> None:
+        """``--secure``: a nats-server of the fleet's own with accounts per team and TLS
+        (libs.security); every fleet process connects with the fleet's nkey over TLS."""
+        from libs.security.fleet import SecureFleet
+
+        sf = SecureFleet(self.settings)
+        self.settings.nats = sf.prepare()
+        if port_open(sf.host, sf.port):
+            raise SystemExit(
+                f"--secure starts its own nats-server, but {sf.host}:{sf.port} is taken; "
+                "point STRAIT_NATS__URL at a free port (e.g. tls://127.0.0.1:4333)"
+            )
+        self._start_nats(sf.conf, sf.dir / "nats.log", sf.host, sf.port)
+        n = self.settings.nats
+        self.secure_env = {
+            "STRAIT_NATS__URL": n.url,
+            "STRAIT_NATS__NKEY_SEED_FILE": n.nkey_seed_file,
+            "STRAIT_NATS__TLS_CA_FILE": n.tls_ca_file,
+        }
+        teams = [t.name for t in sf.store.load().active()]
         say(
-            f"started nats-server (JetStream, data in {state / 'nats'}) at {self.settings.nats.url}"
+            f"started a secured nats-server at {n.url} (TLS, CA {n.tls_ca_file}; accounts: the "
+            f"fleet and {len(teams)} team(s){': ' + ', '.join(teams) if teams else ''}); "
+            "add teams with `strait teams add NAME`"
         )
 
     def plan(self) -> None:
@@ -219,7 +254,7 @@ def wait_ready(settings: Settings, fleet: Fleet) -> bool:
     return False
 
 
-def up(settings: Settings) -> int:
+def up(settings: Settings, secure: bool = False) -> int:
     state = Path(settings.state_dir)
     state.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(settings)
@@ -232,7 +267,7 @@ def up(settings: Settings) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        fleet.ensure_nats()
+        fleet.ensure_nats(secure)
         prepare_models(settings)
         if any(p.backend == "engine" and settings.engine_for(p).compile for p in settings.pools):
             from libs.engine.warm import warm_pools  # imports torch: only when a pool compiles

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from libs.settings import Settings
-from tests.support.services import missing, nats_server, unique_prefix
+from tests.support.services import isolated_settings, missing, nats_server
 
 
 @pytest.fixture
@@ -27,19 +27,7 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def settings(tmp_path: Path, nats_url: str) -> Settings:
     """Settings for one test: its own NATS subjects/streams, state dir and SQLite file."""
-    prefix = unique_prefix()
-    tag = prefix.split(".")[0].upper()
-    s = Settings(state_dir=str(tmp_path / "state"))
-    s.nats.url = nats_url
-    s.nats.subject_prefix = prefix
-    s.nats.requests_stream = f"{tag}_REQUESTS"
-    s.nats.events_stream = f"{tag}_EVENTS"
-    s.nats.kv_events_stream = f"{tag}_KV"
-    s.nats.cache_events_stream = f"{tag}_CACHE_EVENTS"
-    s.database.url = f"sqlite+aiosqlite:///{tmp_path / 'strait.db'}"
-    s.router.metrics_port = 0
-    s.worker.metrics_port = 0
-    return s
+    return isolated_settings(tmp_path, nats_url)
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ Errors are raised as the typed exceptions of ``libs.client.errors``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -40,7 +42,7 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
-from libs.nats_util import StreamGap, StreamReader, server_urls
+from libs.nats_util import StreamGap, StreamReader, auth_options, server_urls
 from libs.protocol import (
     CancelRequest,
     ChatMessage,
@@ -143,8 +145,15 @@ class StraitClient:
 
     ``nc`` is a nats-py connection (the caller keeps owning it) or a URL (the client connects on
     ``__aenter__``/``connect()`` and closes on exit). ``api_key_id`` is stamped on every request
-    and usage event to attribute usage; it is *not* a credential (see docs/nats-api.md,
+    and usage event as a label; it is *not* a credential (see docs/nats-api.md,
     "Authentication"). ``max_payload`` caps request size below the server's own limit.
+
+    Credentials for a secured fleet (docs/security.md), used when the client connects itself:
+    ``nkey_seed_file`` (the team's ``.nk`` file from ``strait teams add``) and ``tls_ca_file``
+    (plus ``tls_cert_file``/``tls_key_file`` where the server verifies clients). Each defaults
+    to the environment variable the ``nats`` CLI reads: ``NATS_NKEY``, ``NATS_CA``,
+    ``NATS_CERT``, ``NATS_KEY``. ``report_usage`` defaults to on without an nkey and off with
+    one: a team's account cannot publish usage events; the fleet records its usage itself.
     """
 
     def __init__(
@@ -157,8 +166,12 @@ class StraitClient:
         max_payload: int | None = None,
         first_token_timeout_s: float = 120.0,
         idle_timeout_s: float = 60.0,
-        report_usage: bool = True,
+        report_usage: bool | None = None,
         name: str = "strait-client",
+        nkey_seed_file: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
         self._nc: NATS | None = None if isinstance(nc, str) else nc
         self._url = nc if isinstance(nc, str) else ""
@@ -169,15 +182,25 @@ class StraitClient:
         self.max_payload = max_payload
         self.first_token_timeout_s = first_token_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.report_usage = report_usage
+        env = os.environ.get
+        self.nkey_seed_file = env("NATS_NKEY", "") if nkey_seed_file is None else nkey_seed_file
+        self.tls_ca_file = env("NATS_CA", "") if tls_ca_file is None else tls_ca_file
+        self.tls_cert_file = env("NATS_CERT", "") if tls_cert_file is None else tls_cert_file
+        self.tls_key_file = env("NATS_KEY", "") if tls_key_file is None else tls_key_file
+        self.report_usage = not self.nkey_seed_file if report_usage is None else report_usage
         self.name = name
 
     @classmethod
     def from_settings(cls, settings: Any, nc: NATS | None = None, **kwargs: Any) -> StraitClient:
-        """A client configured like the fleet: prefix, events stream, max_payload, timeouts."""
+        """A client configured like the fleet: prefix, events stream, max_payload, timeouts, and
+        the fleet's own credentials when its settings name them (it reports usage)."""
         n, g = settings.nats, settings.gateway
         kwargs.setdefault("first_token_timeout_s", g.first_message_timeout_s)
         kwargs.setdefault("idle_timeout_s", g.idle_timeout_s)
+        kwargs.setdefault("report_usage", True)
+        for opt in ("nkey_seed_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(n, opt):
+                kwargs.setdefault(opt, getattr(n, opt))
         return cls(
             nc if nc is not None else n.url,
             prefix=n.subject_prefix,
@@ -195,12 +218,21 @@ class StraitClient:
                 name=self.name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                **auth_options(
+                    self.nkey_seed_file, self.tls_ca_file, self.tls_cert_file, self.tls_key_file
+                ),
             )
         return self
 
     async def close(self) -> None:
         if self._owns_connection and self._nc is not None and not self._nc.is_closed:
-            await self._nc.drain()
+            if self._nc.is_connected:
+                await self._nc.drain()
+            else:  # reconnecting (the server restarts, or refuses a revoked team): just stop
+                # NOTE: nats-py's close of a TLS connection that is reconnecting can raise from
+                # its transport (a closed SSL protocol); the connection is closed either way.
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
         if self._owns_connection:
             self._nc = None
 

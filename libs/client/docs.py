@@ -106,6 +106,33 @@ SUBJECTS: dict[str, SubjectDoc] = {
         True,
     ),
     "resend_all": SubjectDoc((), "ResendRequest", "core NATS", "—", "workers", False),
+    "team_requests": SubjectDoc(
+        ("<team>",),
+        "GenerateRequest",
+        "JetStream (stream `{requests_stream}`)",
+        "a team's clients, publishing `requests` in their own account (docs/security.md)",
+        "router (durable `router`)",
+        False,
+    ),
+    "team_requests_all": SubjectDoc(
+        (), "GenerateRequest", "JetStream", "—", "the requests stream's subject filter", False
+    ),
+    "team_stream": SubjectDoc(
+        ("<team>", "<request_id>"),
+        "Routed / TokenDelta / Migrated / Finished / ErrorMessage",
+        "core NATS",
+        "worker, router (the team's request's `reply_subject`)",
+        "that team, as its own `stream.<request_id>` (docs/security.md)",
+        False,
+    ),
+    "teams_changed": SubjectDoc(
+        (),
+        "TeamsChanged",
+        "core NATS",
+        "`strait teams add/revoke`",
+        "routers (reload the teams file), workers (cancel revoked teams' requests)",
+        False,
+    ),
     "event": SubjectDoc(
         ("usage",),
         "UsageEvent",
@@ -261,7 +288,8 @@ ERRORS: dict[str, str] = {
     "model_not_found": "router: `model` names no pool or model served here (`param: model`)",
     "no_capacity": "router: the pool's queue is at `router.max_pool_queue`, or no worker accepted",
     "no_worker": "router: no live worker in the pool (nor a pool to spill to)",
-    "rate_limited": "gateway only (per-key limits); not sent on the NATS path today",
+    "rate_limited": "gateway (per-key limits); router (per-team limits: requests from a team's account, and from the gateway for keys of a team)",
+    "permission_denied": "router: the request's team was revoked (docs/security.md)",
     "cancelled": "reserved; a cancelled request's stream simply ends (no message)",
     "timeout": "reserved for the fleet; the client raises it for its own first-token/idle limits",
     "internal_error": "worker: an unexpected failure while generating",
@@ -288,7 +316,9 @@ CACHE_TABLES: list[type[Any]] = [
 def _subject_rows(settings: NatsSettings) -> list[str]:
     subjects = Subjects("strait.v1")
     members = {
-        n for n, v in inspect.getmembers(Subjects) if not n.startswith("_") and n != "prefix"
+        n
+        for n, v in inspect.getmembers(Subjects)
+        if not n.startswith("_") and n not in ("prefix", "team_of")  # team_of parses subjects
     }
     missing = members - SUBJECTS.keys()
     if missing:

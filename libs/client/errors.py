@@ -76,6 +76,12 @@ class RateLimited(Retryable):
     code = "rate_limited"
 
 
+class PermissionDenied(StraitError):
+    """The sender's team is revoked (docs/security.md)."""
+
+    code = "permission_denied"
+
+
 class WorkerLost(Retryable):
     code = "worker_lost"
 
@@ -115,6 +121,7 @@ ERROR_CLASSES: dict[str, type[StraitError]] = {
     "no_capacity": NoCapacity,
     "no_worker": NoWorker,
     "rate_limited": RateLimited,
+    "permission_denied": PermissionDenied,
     "cancelled": Cancelled,
     "timeout": Timeout,
     "internal_error": InternalError,

@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 
 from libs.db import Database
 from libs.db.models import ApiKey
+from libs.protocol import valid_team
 from libs.settings import Settings
 
 SECRET_PREFIX = "sk-strait-"
@@ -40,6 +41,7 @@ class KeyRecord:
     tpm: int | None
     revoked: bool
     secret_hash: str = ""  # the stored hash the secret was checked against
+    team: str | None = None  # the team (docs/security.md) its requests bill as
 
 
 def hash_secret(secret: str, salt: bytes | None = None) -> str:
@@ -87,7 +89,11 @@ def new_secret() -> tuple[str, str]:
 # ---------------------------------------------------------------- on an open database
 
 
-async def insert_key(db: Database, name: str, rpm: int | None, tpm: int | None) -> tuple[str, str]:
+async def insert_key(
+    db: Database, name: str, rpm: int | None, tpm: int | None, team: str | None = None
+) -> tuple[str, str]:
+    if team is not None and not valid_team(team):
+        raise ValueError(f"team name {team!r} must match [a-z][a-z0-9_-]{{0,31}}")
     key_id, secret = new_secret()
     async with db.session() as s, s.begin():
         s.add(
@@ -97,6 +103,7 @@ async def insert_key(db: Database, name: str, rpm: int | None, tpm: int | None) 
                 secret_hash=hash_secret(secret),
                 rpm=rpm,
                 tpm=tpm,
+                team=team,
                 created_at=datetime.now(UTC),
             )
         )
@@ -119,7 +126,7 @@ async def find_key(db: Database, secret: str, proven: str | None = None) -> KeyR
     ):
         return None
     revoked = row.revoked_at is not None
-    return KeyRecord(row.id, row.name, row.rpm, row.tpm, revoked, row.secret_hash)
+    return KeyRecord(row.id, row.name, row.rpm, row.tpm, revoked, row.secret_hash, row.team)
 
 
 async def mark_revoked(db: Database, key_id: str) -> bool:
@@ -142,6 +149,7 @@ async def all_keys(db: Database) -> list[dict[str, Any]]:
             "prefix": f"{SECRET_PREFIX}{r.id}-",
             "rpm": r.rpm,
             "tpm": r.tpm,
+            "team": r.team,
             "created_at": r.created_at.isoformat(),
             "revoked_at": r.revoked_at.isoformat() if r.revoked_at else None,
         }
@@ -159,12 +167,17 @@ async def _open(settings: Settings) -> Database:
 
 
 async def create_key(
-    settings: Settings, name: str, rpm: int | None = None, tpm: int | None = None
+    settings: Settings,
+    name: str,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    team: str | None = None,
 ) -> tuple[str, str]:
-    """A new key; returns (key id, secret). The secret is never stored and never shown again."""
+    """A new key; returns (key id, secret). The secret is never stored and never shown again.
+    With ``team``, the key's requests are billed and limited as that team."""
     db = await _open(settings)
     try:
-        return await insert_key(db, name, rpm, tpm)
+        return await insert_key(db, name, rpm, tpm, team)
     finally:
         await db.close()
 

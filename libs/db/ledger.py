@@ -19,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import FetchTimeoutError
-from sqlalchemy import and_, or_
+from sqlalchemy import and_, bindparam, or_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -47,6 +47,7 @@ def row_values(ev: UsageEvent) -> dict[str, Any]:
     return {
         "request_id": ev.request_id,
         "api_key_id": ev.api_key_id,
+        "team": ev.team,
         "pool": ev.pool,
         "model": ev.model,
         "worker_id": ev.worker_id,
@@ -104,8 +105,22 @@ async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
             and_(old_is_worker == new_is_worker, new.finished_at >= old.finished_at),
         ),
     )
+    # The team is the fleet's word (the router stamps it, the worker reports it): it fills a
+    # row whose kept event (a client library's) did not name one.
+    teams = [
+        {"rid": ev.request_id, "t": ev.team}
+        for ev in events
+        if ev.source == WORKER_SOURCE and ev.team is not None
+    ]
     async with db.engine.begin() as conn:
         await conn.execute(stmt)
+        if teams:
+            await conn.execute(
+                update(RequestRow)
+                .where(RequestRow.request_id == bindparam("rid"), RequestRow.team.is_(None))
+                .values(team=bindparam("t")),
+                teams,
+            )
 
 
 class LedgerWriter:

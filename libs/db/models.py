@@ -22,6 +22,8 @@ class ApiKey(Base):
     secret_hash: Mapped[str] = mapped_column(String(255))
     rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The team (docs/security.md) the key's requests are billed and limited as.
+    team: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -31,6 +33,8 @@ class RequestRow(Base):
 
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Who sent it, as the fleet knows it: the NATS account's team, or the API key's team.
+    team: Mapped[str | None] = mapped_column(String(32), nullable=True)
     pool: Mapped[str] = mapped_column(String(128), default="")
     model: Mapped[str] = mapped_column(Text, default="")
     worker_id: Mapped[str] = mapped_column(String(200), default="")
@@ -52,4 +56,5 @@ class RequestRow(Base):
     __table_args__ = (
         Index("ix_requests_api_key_id_created_at", "api_key_id", "created_at"),
         Index("ix_requests_created_at", "created_at"),
+        Index("ix_requests_team_created_at", "team", "created_at"),
     )

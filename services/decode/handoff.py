@@ -196,15 +196,19 @@ class HandoffReceiver:
             except (ValueError, BackendError) as e:
                 return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
             metrics.HANDOFF_BYTES.labels(side="decode").inc(c.kv_bytes)
-        if rid in self.worker.recently_cancelled:
+        if rid in self.worker.recently_cancelled and self.worker.recently_cancelled[rid] in (
+            None,
+            offer.assignment.request.team,
+        ):
             return HandoffResult(ok=False, reason="cancelled")
         if self.worker.draining or rid in self.worker.tasks:
             return HandoffResult(
                 ok=False, reason="draining" if self.worker.draining else "duplicate"
             )
         self.started[rid] = offer.transfer_id
-        task = asyncio.create_task(self.worker.serve(offer.assignment, parent, offer))
-        self.worker.tasks[rid] = task
+        task = self.worker.start_task(
+            offer.assignment.request, self.worker.serve(offer.assignment, parent, offer)
+        )
         task.add_done_callback(lambda _: self.started.pop(rid, None))
         owner = StreamOwner(request_id=rid, worker_id=self.worker.worker_id)
         await self.worker.nc.publish(self.worker.subjects.stream_owner, encode(owner))

@@ -86,6 +86,7 @@ async def run_worker(
         await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
         await nc.subscribe(worker.subjects.resend_all, cb=worker.on_resend),
         await nc.subscribe(worker.subjects.drain(worker.worker_id), cb=on_drain),
+        await nc.subscribe(worker.subjects.teams_changed, cb=worker.on_teams_changed),
     ]
     # Beats go on while draining (they say so, and keep the router from moving requests that
     # are finishing here); they stop once the drain is over.

@@ -15,6 +15,8 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,12 +32,14 @@ from libs.protocol import (
     CancelRequest,
     ErrorMessage,
     Finished,
+    GenerateRequest,
     HandoffOffer,
     KvEvent,
     ProtocolError,
     ResendRequest,
     Routed,
     Subjects,
+    TeamsChanged,
     Timings,
     TokenDelta,
     ToolCall,
@@ -76,7 +80,10 @@ class Worker:
         self._tracer = tracer("strait.worker")
         self.log = log
         # Cancels seen (bounded): a handoff committed after its request's cancel is refused.
-        self.recently_cancelled: OrderedDict[str, None] = OrderedDict()
+        # Value: the team that cancelled (a team's cancel only counts for its own requests).
+        self.recently_cancelled: OrderedDict[str, str | None] = OrderedDict()
+        # Running request id → its team (GenerateRequest.team), for teams' cancels.
+        self.teams: dict[str, str | None] = {}
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
@@ -127,7 +134,22 @@ class Worker:
             return
         await self._ack(msg, AssignmentAck(accepted=True))
         parent = extract_context(msg.headers)
-        self.tasks[rid] = asyncio.create_task(self.serve(a, parent))
+        self.start_task(a.request, self.serve(a, parent))
+
+    def start_task(
+        self, req: GenerateRequest, coro: Coroutine[Any, Any, None]
+    ) -> asyncio.Task[None]:
+        """Run ``coro`` as ``req``'s task (``tasks``), remembering its team until it ends."""
+        rid = req.request_id
+        task = asyncio.create_task(coro)
+        self.tasks[rid], self.teams[rid] = task, req.team
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self.tasks.get(rid) in (None, t):
+                self.teams.pop(rid, None)
+
+        task.add_done_callback(done)
+        return task
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -135,17 +157,47 @@ class Worker:
         except ProtocolError as e:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
+        try:
+            team = self.subjects.team_of(msg.subject, "cancel")
+        except ValueError:
+            await dead_letter(self.nc, self.subjects, msg, "not a cancel subject", "worker")
+            return
         rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
+        if team is not None:
+            # A team's cancel names its request in the subject (which its import maps into
+            # cancel.<team>.*), and counts only for that team's own requests.
+            rid = msg.subject.rsplit(".", 1)[-1]
+            if rid in self.tasks and self.teams.get(rid) != team:
+                log.warning(
+                    "cancel refused: another team's request",
+                    extra=fields(request_id=rid, team=team),
+                )
+                return
         if c.worker_id and c.worker_id != self.worker_id:
             return  # the request was taken from another worker, and runs here now
-        self.recently_cancelled[rid] = None
+        self.recently_cancelled[rid] = team
         while len(self.recently_cancelled) > RECENT_CANCELS:
             self.recently_cancelled.popitem(last=False)
+        self._cancel(rid)
+
+    def _cancel(self, rid: str) -> None:
         task = self.tasks.get(rid)
         if task is not None:
             self.backend.abort(rid)
             task.cancel()
             metrics.CANCELLED.inc()
+
+    async def on_teams_changed(self, msg: Msg) -> None:
+        """``strait teams revoke``: cancel the running requests of revoked teams."""
+        try:
+            tc = decode(msg.data, TeamsChanged)
+        except ProtocolError as e:
+            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
+            return
+        revoked = set(tc.revoked)
+        for rid in [r for r, t in self.teams.items() if t in revoked]:
+            log.info("cancelling a revoked team's request", extra=fields(request_id=rid))
+            self._cancel(rid)
 
     async def on_resend(self, msg: Msg) -> None:
         """A reader lost stream messages: publish again what this worker still holds."""
@@ -155,7 +207,17 @@ class Worker:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
         rid = msg.subject.rsplit(".", 1)[-1]
+        try:
+            team = self.subjects.team_of(msg.subject, "resend")
+        except ValueError:
+            return
         held = self.writers.get(rid) or self.ended_writers.get(rid, (None, 0.0))[0]
+        if (
+            held is not None
+            and team is not None
+            and held.subject != self.subjects.team_stream(team, rid)
+        ):
+            return  # a team asks only for its own streams
         if held is not None:
             n = await held.resend(r.from_seq)
             metrics.RESENT.inc(n)
@@ -227,6 +289,7 @@ class Worker:
             ev = UsageEvent(
                 request_id=out.request_id,
                 api_key_id=a.request.api_key_id,
+                team=a.request.team,
                 pool=self.pool,
                 model=self.backend.model_name,
                 worker_id=self.worker_id,

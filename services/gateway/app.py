@@ -205,6 +205,7 @@ def create_app(
             UsageEvent(
                 request_id=req.request_id,
                 api_key_id=key.key_id,
+                team=key.team,
                 model=req.model,
                 route_code="cache_hit",
                 prompt_tokens=u["prompt_tokens"],
@@ -285,6 +286,7 @@ def create_app(
             sampling=sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
             priority=body.priority,
             api_key_id=key.key_id,
+            team=key.team,
             user=body.user,
             want_route=True,
             tools=tools,
@@ -311,6 +313,7 @@ def create_app(
             sampling=sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
             priority=body.priority,
             api_key_id=key.key_id,
+            team=key.team,
             user=body.user,
             want_route=True,
         )

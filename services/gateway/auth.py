@@ -17,6 +17,7 @@ class KeyInfo:
     name: str
     rpm: int | None = None  # requests per minute; None: the gateway default
     tpm: int | None = None  # tokens per minute; None: the gateway default
+    team: str | None = None  # the team (docs/security.md) the key bills as
 
 
 class KeyStore(Protocol):

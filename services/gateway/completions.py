@@ -61,6 +61,7 @@ class Outcome:
     request_id: str
     api_key_id: str | None
     model: str
+    team: str | None = None
     started: float = field(default_factory=time.perf_counter)
     created_at: float = field(default_factory=time.time)
     ttft_s: float | None = None
@@ -77,6 +78,7 @@ class Outcome:
         return UsageEvent(
             request_id=self.request_id,
             api_key_id=self.api_key_id,
+            team=self.team,
             pool=f.pool if f else "",
             model=f.model if f else self.model,
             worker_id=f.worker_id if f else "",
@@ -316,7 +318,7 @@ class CompletionRun:
         self.param_aliases = param_aliases or {}
         self.kind = kind
         self.req = req
-        self.outcome = Outcome(request_id=req.request_id, api_key_id=api_key_id, model=req.model)
+        self.outcome = Outcome(req.request_id, api_key_id, req.model, req.team)
         self.created = int(time.time())
         self.shaper = ChunkShaper(kind, req.request_id, self.created, req.model, include_usage)
         self.acc = Accumulator(req.sampling.n)

@@ -67,7 +67,7 @@ class DatabaseKeyStore:
                 self._proven.popitem(last=False)
         info = None
         if rec is not None and not rec.revoked:
-            info = KeyInfo(key_id=rec.key_id, name=rec.name, rpm=rec.rpm, tpm=rec.tpm)
+            info = KeyInfo(rec.key_id, rec.name, rec.rpm, rec.tpm, rec.team)
         self._verdicts[digest] = (info, now + self.ttl_s)
         self._verdicts.move_to_end(digest)
         while len(self._verdicts) > MAX_ENTRIES:

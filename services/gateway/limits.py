@@ -1,103 +1,40 @@
-"""Per-key rate limits: requests per minute and tokens per minute, in this gateway's memory.
-
-Two token buckets per key, each holding at most one minute of its rate and refilling
-continuously. ``admit`` takes one request and a token reservation (prompt estimate + the
-output limit) or raises 429 with the seconds until both would fit; ``settle`` corrects the
-token bucket with the usage the worker reported. With several gateway replicas each enforces
-its own share: the limit a key sees is per replica.
+"""Per-key rate limits in this gateway's memory (``libs.ratelimit``'s buckets, keyed by API
+key id): a key over its requests or tokens per minute gets 429 with Retry-After. With several
+gateway replicas each enforces its own share: the limit a key sees is per replica.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
+from libs.ratelimit import RateLimiter as Buckets
+from libs.ratelimit import Refusal
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo
 from services.gateway.errors import ApiError
-
-# Buckets of keys idle this long are full again and are forgotten.
-IDLE_FORGET_S = 120.0
-
-
-@dataclass
-class Bucket:
-    rate_per_min: float
-    level: float
-    at: float = field(default_factory=time.monotonic)
-
-    def refill(self, now: float) -> None:
-        self.level = min(self.rate_per_min, self.level + (now - self.at) * self.rate_per_min / 60.0)
-        self.at = now
-
-    def wait_s(self, amount: float) -> float:
-        """Seconds until ``amount`` is available (0 when it is now)."""
-        short = amount - self.level
-        return 0.0 if short <= 0 else short * 60.0 / self.rate_per_min
-
-
-@dataclass
-class KeyLimits:
-    requests: Bucket
-    tokens: Bucket
 
 
 class RateLimiter:
     def __init__(self, default_rpm: int, default_tpm: int) -> None:
         self.default_rpm = default_rpm
         self.default_tpm = default_tpm
-        self._keys: dict[str, KeyLimits] = {}
-        self._last_sweep = time.monotonic()
-
-    def _limits(self, key: KeyInfo, now: float) -> KeyLimits:
-        rpm = float(key.rpm or self.default_rpm)
-        tpm = float(key.tpm or self.default_tpm)
-        lim = self._keys.get(key.key_id)
-        if lim is None or lim.requests.rate_per_min != rpm or lim.tokens.rate_per_min != tpm:
-            lim = KeyLimits(Bucket(rpm, rpm, now), Bucket(tpm, tpm, now))
-            self._keys[key.key_id] = lim
-        lim.requests.refill(now)
-        lim.tokens.refill(now)
-        return lim
+        self.buckets = Buckets()
 
     def admit(self, key: KeyInfo, reserve_tokens: int) -> int:
         """Take one request and ``reserve_tokens`` (capped at one minute's worth); returns the
         tokens reserved. Raises ApiError(429) with Retry-After when the key is over a limit."""
-        now = time.monotonic()
-        self._sweep(now)
-        lim = self._limits(key, now)
-        reserve = float(min(max(reserve_tokens, 0), lim.tokens.rate_per_min))
-        wait_req = lim.requests.wait_s(1.0)
-        wait_tok = lim.tokens.wait_s(reserve)
-        if wait_req > 0 or wait_tok > 0:
-            which = "requests per minute" if wait_req >= wait_tok else "tokens per minute"
+        rpm, tpm = key.rpm or self.default_rpm, key.tpm or self.default_tpm
+        got = self.buckets.admit(key.key_id, rpm, tpm, reserve_tokens)
+        if isinstance(got, Refusal):
             metrics.REJECTED.labels(code="rate_limited").inc()
             raise ApiError(
                 429,
-                f"rate limit reached for key {key.key_id!r}: {which} "
-                f"(rpm={lim.requests.rate_per_min:g}, tpm={lim.tokens.rate_per_min:g})",
+                f"rate limit reached for key {key.key_id!r}: {got.message}",
                 "rate_limit_exceeded",
-                retry_after_s=max(wait_req, wait_tok),
+                retry_after_s=got.retry_after_s,
             )
-        lim.requests.level -= 1.0
-        lim.tokens.level -= reserve
-        return int(reserve)
+        return got
 
     def settle(self, key: KeyInfo, reserved: int, used: int) -> None:
-        """Replace the reservation with the tokens actually used (may leave the bucket negative)."""
-        lim = self._keys.get(key.key_id)
-        if lim is not None:
-            lim.tokens.level += reserved - used
+        self.buckets.settle(key.key_id, reserved, used)
 
     def refund_request(self, key: KeyInfo) -> None:
-        """Give back the request ``admit`` took (the request was refused later on)."""
-        lim = self._keys.get(key.key_id)
-        if lim is not None:
-            lim.requests.level = min(lim.requests.rate_per_min, lim.requests.level + 1.0)
-
-    def _sweep(self, now: float) -> None:
-        if now - self._last_sweep < IDLE_FORGET_S:
-            return
-        self._last_sweep = now
-        for k in [k for k, v in self._keys.items() if now - v.requests.at > IDLE_FORGET_S]:
-            del self._keys[k]
+        self.buckets.refund_request(key.key_id)

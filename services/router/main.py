@@ -31,6 +31,7 @@ from libs.protocol import (
     ProtocolError,
     StreamOwner,
     Subjects,
+    TeamsChanged,
     WorkerBeat,
     decode,
 )
@@ -57,9 +58,10 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     js = nc.jetstream()
     await provision(js, s.nats)
     ack_wait = s.router.assign_timeout_s * 4 + 5
-    await ensure_consumer(
-        js, s.nats.requests_stream, work_queue_consumer(ROUTER_DURABLE, subjects.requests, ack_wait)
+    consumer = work_queue_consumer(
+        ROUTER_DURABLE, [subjects.requests, subjects.team_requests_all], ack_wait
     )
+    await ensure_consumer(js, s.nats.requests_stream, consumer)
     registry = WorkerRegistry(s.router.worker_ttl_s)
     router = Router(nc, js, s, registry)
     if on_router is not None:
@@ -91,18 +93,38 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         # worker and leave the watch alone.
         try:
             c = decode(msg.data, CancelRequest)
-        except ProtocolError:
+            team = subjects.team_of(msg.subject, "cancel")
+        except (ProtocolError, ValueError):
             return  # the workers dead-letter it
+        rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
+        if team is not None:  # a team's cancel: the subject names the request, its own only
+            rid = msg.subject.rsplit(".", 1)[-1]
+            w = router.watch.watched.get(rid)
+            if w is None or w.req.team != team:
+                return
         if not c.worker_id:
-            await router.watch.forget(c.request_id or msg.subject.rsplit(".", 1)[-1])
+            await router.watch.forget(rid)
+
+    async def on_teams_changed(msg: Msg) -> None:
+        # The workers cancel the revoked teams' running requests; the router refuses their
+        # queued ones and stops watching the rest.
+        try:
+            tc = decode(msg.data, TeamsChanged)
+        except ProtocolError as e:
+            log.warning("bad teams message", extra=fields(error=str(e)))
+            return
+        router.teams.revoke(tc.revoked)
+        for rid, w in list(router.watch.watched.items()):
+            if w.req.team in tc.revoked:
+                await router.watch.forget(rid)
+        log.info("teams changed", extra=fields(revoked=tc.revoked))
 
     await nc.subscribe(subjects.beats_all, cb=on_beat)
     await nc.subscribe(subjects.stream_owner, cb=on_owner)
     await nc.subscribe(subjects.cancel_all, cb=on_cancel)
     await nc.subscribe(subjects.kv_events_all, cb=on_kv)
-    psub = await js.pull_subscribe(
-        subjects.requests, durable=ROUTER_DURABLE, stream=s.nats.requests_stream
-    )
+    await nc.subscribe(subjects.teams_changed, cb=on_teams_changed)
+    psub = await js.pull_subscribe_bind(ROUTER_DURABLE, s.nats.requests_stream)
     ctx.ready = lambda: nc.is_connected
     slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
     inflight: set[asyncio.Task[None]] = set()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from libs.protocol import (
     CancelRequest,
     ErrorCode,
     ErrorMessage,
+    Finished,
     GenerateRequest,
     Migrated,
     Migration,
@@ -60,12 +62,15 @@ from services.router import metrics
 from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classifier, prompt_text
 from services.router.placement import CostWeights, Placement, rank
 from services.router.prefix import PrefixHashers
+from services.router.teams import TeamPolicy, TeamRefusal
 from services.router.watch import StreamWatch, Watched
 
 log = logging.getLogger("strait.router")
 
 # Workers offered one decision before the router gives up with no_capacity.
 MAX_OFFERS = 4
+# Teams' token reservations awaiting their request's end (oldest dropped past this).
+MAX_RESERVATIONS = 100_000
 
 
 @dataclass
@@ -134,8 +139,13 @@ class Router:
             self.cfg.tie_epsilon,
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
-        self.watch = StreamWatch(nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s)
+        self.teams = TeamPolicy(settings)
+        self.watch = StreamWatch(
+            nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self._settle
+        )
         self._tracer = tracer("strait.router")
+        # request id → (team, tokens reserved by TeamPolicy.admit), until its stream ends.
+        self._reserved: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
 
     # ------------------------------------------------------------ pool choice
 
@@ -259,7 +269,7 @@ class Router:
     async def handle(self, msg: Msg) -> None:
         """Route one request message; always acks it (errors are answered, not redelivered)."""
         try:
-            req = decode(msg.data, GenerateRequest)
+            req = self.teams.attribute(decode(msg.data, GenerateRequest), msg.subject)
             validate_request(req)
         except ProtocolError as e:
             await self._reject_malformed(msg, e)
@@ -279,6 +289,16 @@ class Router:
                 "request redelivered",
                 extra=fields(request_id=req.request_id, deliveries=msg.metadata.num_delivered),
             )
+        admitted = self.teams.admit(req)
+        if isinstance(admitted, TeamRefusal):
+            refusal = Rejection(admitted.code, admitted.message, None, admitted.retry_after_s)
+            await self.reply_error(req, refusal)
+            await msg.ack()
+            return
+        if admitted:
+            self._reserved[req.request_id] = (req.team, admitted)
+            while len(self._reserved) > MAX_RESERVATIONS:
+                self._reserved.popitem(last=False)
         acked = False
 
         async def ack() -> None:
@@ -516,11 +536,28 @@ class Router:
         )
         await self.nc.publish(self.stream_subject(req), encode(err))
 
+    def _settle(self, req: GenerateRequest, final: Finished | None) -> None:
+        """The watch saw ``req``'s stream end: its team's reservation becomes its usage (kept
+        whole when it ended without ``Finished``)."""
+        held = self._reserved.pop(req.request_id, None)
+        if held is not None and final is not None:
+            used = final.usage.prompt_tokens + final.usage.completion_tokens
+            self.teams.settle(held[0], held[1], used)
+
     async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
         metrics.REJECTED.labels(code=e.code).inc()
         if e.request_id:  # usable as a subject token (ProtocolError keeps no other)
             err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
-            await self.nc.publish(self.subjects.stream(e.request_id), encode(err))
+            try:
+                team = self.subjects.team_of(msg.subject, "requests")
+            except ValueError:
+                team = None
+            subject = (
+                self.subjects.stream(e.request_id)
+                if team is None
+                else self.subjects.team_stream(team, e.request_id)
+            )
+            await self.nc.publish(subject, encode(err))
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "router")
 

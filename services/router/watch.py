@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -65,6 +66,7 @@ class Watched:
     # False once the router's connection reconnected while watching: stream messages may have
     # been missed, so the tokens above cannot seed a migration.
     complete: bool = True
+    final: Finished | None = None  # the stream's Finished, once seen
 
     @property
     def streamed(self) -> bool:
@@ -98,11 +100,22 @@ class Watched:
                 self.text.append(msg.text)
                 self.finished = msg.finish_reason is not None
             return False
+        if isinstance(msg, Finished):
+            self.final = msg
         return isinstance(msg, Finished | ErrorMessage)
 
 
 class StreamWatch:
-    def __init__(self, nc: NATS, subjects: Subjects, max_watched: int, ttl_s: float) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        max_watched: int,
+        ttl_s: float,
+        on_end: Callable[[GenerateRequest, Finished | None], None] | None = None,
+    ) -> None:
+        """``on_end(req, finished)`` runs once for each request the watch forgets."""
+        self.on_end = on_end
         self.nc = nc
         self.subjects = subjects
         self.max_watched = max_watched
@@ -165,6 +178,8 @@ class StreamWatch:
     async def forget(self, rid: str) -> None:
         w = self.watched.pop(rid, None)
         if w is not None:
+            if self.on_end is not None:
+                self.on_end(w.req, w.final)
             await _unsubscribe(w.sub)
 
     def on_worker_lost(self, worker_id: str) -> list[Watched]:

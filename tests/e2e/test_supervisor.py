@@ -110,3 +110,87 @@ def test_up_runs_the_fleet_and_ctrl_c_stops_it(tmp_path: Path) -> None:
     assert "fleet stopped" in log.read_text()
     _gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, [p.pid for p in alive]
+
+
+def test_up_secure_serves_teams_over_tls_and_revokes_them(tmp_path: Path) -> None:
+    """`strait teams add`, then `strait up --secure`: a team's client is served over TLS with
+    its nkey, a plain connection is refused, and `strait teams revoke` cuts the team off."""
+    import asyncio
+    import ssl
+
+    import nats
+
+    from libs.client import StraitClient
+
+    (tmp_path / "strait.toml").write_text(FAKE_FLEET)
+    nats_port, gw_port = free_port(), free_port()
+    env = dict(os.environ)
+    env.update(
+        STRAIT_CONFIG=str(tmp_path / "strait.toml"),
+        NATS_URL=f"tls://127.0.0.1:{nats_port}",
+        STRAIT_STATE_DIR=str(tmp_path / "state"),
+        STRAIT_GATEWAY__PORT=str(gw_port),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DATABASE_URL", None)
+    cli = [sys.executable, "-m", "services.cli"]
+    added = subprocess.run([*cli, "teams", "add", "alpha"], env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    secure = tmp_path / "state" / "secure"
+    seed, ca = secure / "teams" / "alpha.nk", secure / "tls" / "ca.pem"
+    assert str(seed) in added.stdout
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen(
+            [*cli, "up", "--secure"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "fleet ready" not in log.read_text():
+            assert up.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "started a secured nats-server" in log.read_text()
+        url = f"tls://127.0.0.1:{nats_port}"
+
+        async def as_alpha() -> str:
+            async with StraitClient(url, nkey_seed_file=str(seed), tls_ca_file=str(ca)) as c:
+                return (await c.complete("hi", model="default", max_tokens=3)).text
+
+        assert asyncio.run(as_alpha())
+
+        async def plain() -> None:
+            await nats.connect(
+                f"nats://127.0.0.1:{nats_port}",
+                allow_reconnect=False,
+                connect_timeout=2,
+                max_reconnect_attempts=0,
+            )
+
+        with pytest.raises((nats.errors.Error, OSError)):
+            asyncio.run(plain())
+        kept = tmp_path / "alpha-copy.nk"
+        kept.write_bytes(seed.read_bytes())
+        revoked = subprocess.run(
+            [*cli, "teams", "revoke", "alpha"], env=env, capture_output=True, text=True
+        )
+        assert revoked.returncode == 0 and "the running server reloaded it" in revoked.stdout
+
+        async def revoked_alpha() -> None:
+            await nats.connect(
+                url,
+                nkeys_seed=str(kept),
+                tls=ssl.create_default_context(cafile=str(ca)),
+                allow_reconnect=False,
+                connect_timeout=2,
+                max_reconnect_attempts=0,
+            )
+
+        with pytest.raises((nats.errors.Error, OSError)):
+            asyncio.run(revoked_alpha())
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()

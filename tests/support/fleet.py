@@ -17,6 +17,7 @@ import uvicorn
 
 from libs.backend import Backend
 from libs.fake_engine import FakeBackend
+from libs.nats_util import connect
 from libs.runtime import ServiceContext
 from libs.settings import Settings
 from services.decode.worker import Worker
@@ -64,6 +65,10 @@ class InProcessFleet:
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _ctxs: list[ServiceContext] = field(default_factory=list)
     _servers: list[uvicorn.Server] = field(default_factory=list)
+    # A secured fleet's team client (tests/support/secure.py): nats-py connect options and
+    # the team's seed file; empty on the embedded server.
+    client_options: dict[str, Any] = field(default_factory=dict)
+    team_seed_file: str = ""
 
     async def __aenter__(self) -> InProcessFleet:
         if self.router:
@@ -86,15 +91,13 @@ class InProcessFleet:
     ) -> WorkerHandle:
         """A worker of ``role``: ``aggregated``, or ``prefill``/``decode`` of a disaggregated
         pool (both need an AsyncEngineBackend; ``cache`` is the prefill's CacheClient)."""
-        import nats
-
         s = self.settings.model_copy(deep=True)
         s.worker.pool = pool
         s.worker.worker_id = worker_id
         s.worker.role = role  # type: ignore[assignment]
         backend = backend or FakeBackend(s.fake_engine, model_name=model)
         await backend.start()
-        nc = await nats.connect(s.nats.url)
+        nc = await connect(s.nats, f"worker-{worker_id}")
         w: Worker
         if role == "prefill":
             from services.prefill.worker import PrefillWorker
@@ -106,6 +109,7 @@ class InProcessFleet:
             await nc.subscribe(w.subjects.work(w.worker_id), cb=w.on_assignment),
             await nc.subscribe(w.subjects.cancel_all, cb=w.on_cancel),
             await nc.subscribe(w.subjects.resend_all, cb=w.on_resend),
+            await nc.subscribe(w.subjects.teams_changed, cb=w.on_teams_changed),
         ]
         stopping = asyncio.Event()
         beats = asyncio.create_task(w.beat_loop(stopping))

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from libs.settings import Settings
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -82,3 +84,20 @@ def nats_server(tmp: Path, max_payload: int = 8 * 1024 * 1024) -> Iterator[str]:
 def unique_prefix() -> str:
     """Subject prefix of one test, so tests sharing a server never share state."""
     return f"t{uuid.uuid4().hex[:10]}.v1"
+
+
+def isolated_settings(tmp_path: Path, nats_url: str) -> Settings:
+    """Settings for one test: its own NATS subjects/streams, state dir and SQLite file."""
+    prefix = unique_prefix()
+    tag = prefix.split(".")[0].upper()
+    s = Settings(state_dir=str(tmp_path / "state"))
+    s.nats.url = nats_url
+    s.nats.subject_prefix = prefix
+    s.nats.requests_stream = f"{tag}_REQUESTS"
+    s.nats.events_stream = f"{tag}_EVENTS"
+    s.nats.kv_events_stream = f"{tag}_KV"
+    s.nats.cache_events_stream = f"{tag}_CACHE_EVENTS"
+    s.database.url = f"sqlite+aiosqlite:///{tmp_path / 'strait.db'}"
+    s.router.metrics_port = 0
+    s.worker.metrics_port = 0
+    return s

@@ -1,4 +1,11 @@
-"""Fixtures of the NATS client tests: settings for a FAKE fleet, a running fleet, a client."""
+"""Fixtures of the NATS client tests: settings for a FAKE fleet, a running fleet, a client.
+
+A test (or module) marked ``nats_modes("embedded", "secured")`` runs its ``fleet``/``client``
+tests twice: against the embedded single-account server, and against a secured one
+(accounts and TLS from libs.security, as ``strait up --secure`` makes them) with the client
+connected as team ``team-test`` (its nkey seed and the dev CA; ``fleet.client_options`` holds
+the same for raw nats-py clients). The tests themselves do not change.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,15 @@ from libs.client import StraitClient
 from libs.settings import Settings
 from tests.integration.client.fleet_util import running_fleet
 from tests.support.fleet import InProcessFleet
+from tests.support.secure import secure_nats, team_options
+
+TEAM = "team-test"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "nats_mode" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("nats_modes")
+        metafunc.parametrize("nats_mode", list(marker.args) if marker else ["embedded"])
 
 
 @pytest.fixture
@@ -23,13 +39,31 @@ def fleet_settings(settings: Settings) -> Settings:
 
 
 @pytest.fixture
-async def fleet(fleet_settings: Settings) -> AsyncIterator[InProcessFleet]:
+async def fleet(fleet_settings: Settings, nats_mode: str) -> AsyncIterator[InProcessFleet]:
     """A router and one FAKE worker ``w1`` in pool ``default``."""
-    async with running_fleet(fleet_settings) as f:
-        yield f
+    if nats_mode == "embedded":
+        async with running_fleet(fleet_settings) as f:
+            yield f
+        return
+    async with secure_nats(fleet_settings, {TEAM: None}) as sf:
+        async with running_fleet(fleet_settings) as f:
+            f.client_options = team_options(sf, TEAM)
+            f.team_seed_file = str(sf.store.seed_file(TEAM))
+            yield f
 
 
 @pytest.fixture
 async def client(fleet: InProcessFleet) -> AsyncIterator[StraitClient]:
-    async with StraitClient.from_settings(fleet.settings, api_key_id="team-test") as c:
+    if not fleet.team_seed_file:
+        async with StraitClient.from_settings(fleet.settings, api_key_id="team-test") as c:
+            yield c
+        return
+    n = fleet.settings.nats
+    async with StraitClient(
+        n.url,
+        prefix=n.subject_prefix,
+        api_key_id="team-test",
+        nkey_seed_file=fleet.team_seed_file,
+        tls_ca_file=n.tls_ca_file,
+    ) as c:
         yield c

@@ -6,10 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import nats
-
 from libs.fake_engine import FakeBackend
-from libs.nats_util import provision
+from libs.nats_util import connect, provision
 from libs.settings import Settings
 from tests.support.fleet import InProcessFleet
 
@@ -21,7 +19,7 @@ async def running_fleet(
     """A router (optional) and ``workers`` FAKE workers ``w1``… in pool ``default``."""
     async with InProcessFleet(settings, router=router) as f:
         # The streams exist before the test publishes (the router provisions them too, later).
-        nc = await nats.connect(settings.nats.url)
+        nc = await connect(settings.nats, "test-provision")
         await provision(nc.jetstream(), settings.nats)
         await nc.drain()
         for i in range(1, workers + 1):

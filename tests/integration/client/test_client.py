@@ -13,7 +13,8 @@ from libs.settings import Settings
 from tests.integration.client.fleet_util import running_fleet
 from tests.support.fleet import InProcessFleet
 
-pytestmark = pytest.mark.integration
+# Each test runs against the embedded server and, as a team, a secured one (conftest).
+pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]
 
 
 async def wait_until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]

@@ -30,7 +30,8 @@ from libs.settings import Settings
 from tests.integration.client.fleet_util import running_fleet
 from tests.support.fleet import InProcessFleet
 
-pytestmark = pytest.mark.integration
+# Each fleet/client test runs against the embedded server and, as a team, a secured one.
+pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]
 
 
 async def read_all(gen: Generation) -> None:
@@ -143,6 +144,8 @@ async def test_bad_input_gets_typed_errors_and_nothing_crashes(
     assert (await client.complete("still alive?", max_tokens=2)).usage.completion_tokens == 2
 
 
+# Embedded only: it spies on the requests subject, which a team cannot subscribe to.
+@pytest.mark.nats_modes("embedded")
 async def test_oversized_request_is_refused_before_publishing(
     fleet: InProcessFleet, client: StraitClient
 ) -> None:

@@ -15,6 +15,7 @@ from libs.client import StraitClient
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.nats_modes("embedded", "secured")
 async def test_batch_submit_writes_one_result_per_prompt(
     client: StraitClient, tmp_path: Path
 ) -> None:
@@ -37,6 +38,7 @@ async def test_batch_submit_writes_one_result_per_prompt(
     assert rows[-1]["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.nats_modes("embedded", "secured")
 async def test_batch_submit_generates_prompts(client: StraitClient, tmp_path: Path) -> None:
     items = batch_submit.load_prompts(None, 30)
     stats = await batch_submit.run(

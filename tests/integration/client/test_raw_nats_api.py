@@ -12,12 +12,13 @@ import pytest
 
 from tests.support.fleet import InProcessFleet
 
-pytestmark = pytest.mark.integration
+# Each test runs against the embedded server and, as a team, a secured one (conftest).
+pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]
 
 
 async def test_raw_request_reads_the_whole_stream_and_usage(fleet: InProcessFleet) -> None:
     prefix = fleet.settings.nats.subject_prefix  # "strait.v1" in production
-    nc = await nats.connect(fleet.settings.nats.url)
+    nc = await nats.connect(fleet.settings.nats.url, **fleet.client_options)
     js = nc.jetstream()
     request_id = f"raw-{uuid.uuid4().hex}"
     inbox: asyncio.Queue[dict] = asyncio.Queue()  # type: ignore[type-arg]
@@ -61,7 +62,7 @@ async def test_raw_cancel_stops_the_worker(fleet: InProcessFleet) -> None:
     prefix = fleet.settings.nats.subject_prefix
     backend = fleet.workers[0].backend
     backend.settings.per_token_s = 0.05  # type: ignore[attr-defined]
-    nc = await nats.connect(fleet.settings.nats.url)
+    nc = await nats.connect(fleet.settings.nats.url, **fleet.client_options)
     request_id = f"raw-{uuid.uuid4().hex}"
     got: asyncio.Queue[bytes] = asyncio.Queue()
 

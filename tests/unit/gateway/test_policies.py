@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from libs import ratelimit as limits_mod
 from libs.db.keys import check_secret, hash_secret, key_id_of, new_secret
 from libs.settings import GatewaySettings
 from services.gateway import cache as cache_mod
-from services.gateway import limits as limits_mod
 from services.gateway.auth import KeyInfo
 from services.gateway.cache import ResponseCache, cache_key, is_deterministic
 from services.gateway.errors import ApiError

@@ -1,0 +1,125 @@
+"""Per-team admission in the router (docs/security.md): who a request is from, whether that
+team is still allowed, and its rate limits.
+
+``Router.handle`` calls ``attribute`` on every request pulled from the requests stream: a
+request that arrived on ``<p>.requests.<team>`` (a team's account, through its import) is
+stamped with that team and its tokens go to ``<p>.stream.<team>.<id>``, whatever the sender
+wrote in ``team``, ``api_key_id`` or ``reply_subject``. Then ``admit`` refuses revoked teams and
+applies the team's requests/tokens per minute (``libs.ratelimit``, the gateway's semantics) to
+every request with a team: from NATS, and from the gateway for keys of a team. The watch
+``settle``s a request's reservation with its usage when its stream finishes.
+
+The teams file (``Settings.teams_file``, written by ``strait teams``) is re-read when its
+modification time changes, checked at most every ``teams.reload_interval_s`` and at once on a
+``TeamsChanged`` message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from libs.log import fields
+from libs.protocol import ErrorCode, GenerateRequest, Subjects
+from libs.ratelimit import RateLimiter, Refusal
+from libs.security.teams import TeamsFile
+from libs.settings import Settings
+from services.router.classifier import CHARS_PER_TOKEN, prompt_text
+
+log = logging.getLogger("strait.router")
+
+
+@dataclass(frozen=True)
+class TeamRefusal:
+    code: ErrorCode  # permission_denied (revoked) | rate_limited
+    message: str
+    retry_after_s: float | None
+
+
+class TeamPolicy:
+    def __init__(self, settings: Settings) -> None:
+        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.cfg = settings.teams
+        self.path: Path = settings.teams_file
+        self.default_max_tokens = settings.engine.max_model_len
+        self.limiter = RateLimiter()
+        self.limits: dict[str, tuple[int | None, int | None]] = {}
+        self.revoked: set[str] = set()
+        self._mtime: float | None = None
+        self._checked = float("-inf")
+
+    def reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self.cfg.reload_interval_s:
+            return
+        self._checked = now
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            mtime = None
+        if mtime == self._mtime and not force:
+            return
+        self._mtime = mtime
+        tf = TeamsFile()
+        if mtime is not None:
+            try:
+                tf = msgspec.json.decode(self.path.read_bytes(), type=TeamsFile)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("teams file unreadable; keeping the last", extra=fields(error=str(e)))
+                return
+        self.limits = {t.name: (t.rpm, t.tpm) for t in tf.active()}
+        self.revoked = {t.name for t in tf.teams if not t.active}
+        log.info("teams loaded", extra=fields(active=len(self.limits), revoked=len(self.revoked)))
+
+    def revoke(self, teams: list[str]) -> None:
+        self.reload(force=True)
+        self.revoked |= set(teams)
+        for t in teams:
+            self.limits.pop(t, None)
+
+    def attribute(self, req: GenerateRequest, subject: str) -> GenerateRequest:
+        """``req`` as the fleet will run it: a team's request carries the team the server
+        delivered it as, its stream goes to that team's export, and no API key id."""
+        try:
+            team = self.subjects.team_of(subject, "requests")
+        except ValueError:
+            team = None
+        if team is None:
+            return req  # the fleet's own subject: the gateway or a trusted internal client
+        return msgspec.structs.replace(
+            req,
+            team=team,
+            api_key_id=None,
+            reply_subject=self.subjects.team_stream(team, req.request_id),
+        )
+
+    def reserve_estimate(self, req: GenerateRequest) -> int:
+        out = req.sampling.max_tokens or self.default_max_tokens
+        return len(prompt_text(req)) // CHARS_PER_TOKEN + out
+
+    def admit(self, req: GenerateRequest) -> int | TeamRefusal:
+        """Tokens reserved for ``req`` (0 without a team), or why it is refused."""
+        if req.team is None:
+            return 0
+        self.reload()
+        if req.team in self.revoked:
+            return TeamRefusal("permission_denied", f"team {req.team!r} is revoked", None)
+        rpm, tpm = self.limits.get(req.team, (None, None))
+        got = self.limiter.admit(
+            req.team,
+            rpm or self.cfg.default_rpm,
+            tpm or self.cfg.default_tpm,
+            self.reserve_estimate(req),
+        )
+        if isinstance(got, Refusal):
+            msg = f"rate limit reached for team {req.team!r}: {got.message}"
+            return TeamRefusal("rate_limited", msg, got.retry_after_s)
+        return got
+
+    def settle(self, team: str | None, reserved: int, used: int) -> None:
+        if team is not None:
+            self.limiter.settle(team, reserved, used)
