@@ -123,7 +123,11 @@ async def ledger_rows(settings: Settings) -> dict[str, RequestRow]:
 
 
 async def new_key(
-    settings: Settings, name: str = "test", rpm: int | None = None, tpm: int | None = None
+    settings: Settings,
+    name: str = "test",
+    rpm: int | None = None,
+    tpm: int | None = None,
+    team: str | None = None,
 ) -> str:
-    _, secret = await create_key(settings, name, rpm, tpm)
+    _, secret = await create_key(settings, name, rpm, tpm, team=team)
     return secret

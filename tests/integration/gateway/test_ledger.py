@@ -14,6 +14,7 @@ from libs.db.keys import revoke_key
 from libs.db.ledger import LedgerWriter
 from libs.db.models import RequestRow
 from libs.protocol import Subjects, UsageEvent, encode
+from libs.security.teams import TeamStore
 from libs.settings import Settings
 from tests.integration.gateway.conftest import GatewayFleet, eventually, ledger_rows, new_key
 from tests.support.services import free_port
@@ -257,6 +258,37 @@ async def test_rate_limits_answer_429_with_retry_after(db_settings: Settings) ->
             r = await c.post("/v1/chat/completions", json=chat(40), headers=auth(few_tokens))
             assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
             assert int(r.headers["retry-after"]) >= 1
+
+
+async def test_a_key_of_a_team_bills_and_is_limited_as_that_team(db_settings: Settings) -> None:
+    """`strait keys create --team ops`: the ledger row names the team, and the router applies
+    the team's limits (teams file) to HTTP requests as it does to the team's NATS requests."""
+    TeamStore(db_settings.teams_file.parent).add("ops", rpm=2)
+    ops, plain = await new_key(db_settings, "ops-key", team="ops"), await new_key(db_settings)
+    async with GatewayFleet(db_settings) as fleet:
+        await fleet.add_worker("w1")
+        base = await fleet.gateway()
+        await fleet.wait_workers(1)
+        async with httpx.AsyncClient(base_url=base, timeout=20) as c:
+            ids = []
+            for _ in range(2):
+                r = await c.post("/v1/chat/completions", json=chat(), headers=auth(ops))
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+            r = await c.post("/v1/chat/completions", json=chat(), headers=auth(ops))
+            assert r.status_code == 429, r.text
+            assert "team 'ops'" in r.json()["error"]["message"]
+            assert int(r.headers["retry-after"]) >= 1
+            r = await c.post("/v1/chat/completions", json=chat(), headers=auth(plain))
+            assert r.status_code == 200  # a key of no team: no team limit
+            other = r.json()["id"]
+
+    async def rows_written() -> dict[str, RequestRow] | None:
+        rows = await ledger_rows(db_settings)
+        return rows if all(i in rows for i in [*ids, other]) else None
+
+    rows = await eventually(rows_written)
+    assert [rows[i].team for i in ids] == ["ops", "ops"] and rows[other].team is None
 
 
 async def test_a_disconnected_stream_frees_its_worker_slot(db_settings: Settings) -> None:
