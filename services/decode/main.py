@@ -2,7 +2,7 @@
 ``decode`` in a disaggregated pool, where requests arrive as KV handoffs from prefill workers).
 
 Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
-``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.*`` and beats until SIGTERM
+``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.>`` and beats until SIGTERM
 or a ``DrainRequest`` on ``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit.
 """
 
@@ -66,7 +66,7 @@ async def run_worker(
     subs: list[Subscription],
     tasks: list[asyncio.Task[None]],
 ) -> None:
-    """Serve ``work.<id>`` and ``cancel.*`` (plus the role's own ``subs`` and ``tasks``) and
+    """Serve ``work.<id>`` and ``cancel.>`` (plus the role's own ``subs`` and ``tasks``) and
     beat until SIGTERM; then drain running requests and close. The decode and prefill mains."""
     ctx.ready = lambda: nc.is_connected and not worker.draining
 

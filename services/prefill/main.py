@@ -1,7 +1,7 @@
 """``strait prefill``: the prefill worker of a disaggregated pool (``worker.role = "prefill"``).
 
 Connects to NATS, loads the real engine (KV handoff needs it), then serves ``work.<worker_id>``
-and ``cancel.*`` and beats as role ``prefill`` until SIGTERM; each request is prefilled here and
+and ``cancel.>`` and beats as role ``prefill`` until SIGTERM; each request is prefilled here and
 handed to a decode worker (services/prefill/worker.py). With ``cache.enabled``, prompts' blocks
 are fetched from and stored to the prefix-cache service.
 """
