@@ -243,9 +243,10 @@ def gpu_with_ttft(tmp: Path) -> Path:
     return tmp
 
 
-VARIANTS = ["base-raw", "base", "gpu", "gpu+ttft", "disagg", "gpu+disagg"]
+VARIANTS = ["base-raw", "base", "gpu", "gpu+ttft", "disagg", "gpu+disagg", "secure"]
 OVERLAYS = {
     "base": K8S / "base",
+    "secure": K8S / "overlays" / "secure",
     "gpu": K8S / "overlays" / "gpu",
     "disagg": K8S / "overlays" / "disaggregated",
     "gpu+disagg": K8S / "overlays" / "gpu-disaggregated",
@@ -500,6 +501,29 @@ def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -
         # One ConfigMap for every role: they agree on the pools and their modes.
         pools_seen.add(json.dumps([p.model_dump() for p in s.pools], sort_keys=True))
     assert len(pools_seen) == 1, f"{variant}: roles disagree on the pools"
+
+
+def test_k8s_secure_overlay_gives_every_process_its_credentials(tmp_path: Path) -> None:
+    """overlays/secure: TLS URL, the fleet's nkey and the CA from the Secret, the teams file
+    from its ConfigMap, each at the path its setting names, in every Strait container."""
+    docs = kustomize(K8S / "overlays" / "secure")
+    containers = list(strait_containers(docs))
+    assert {c.role for c in containers} == {"gateway", "router", "decode"}
+    for c in containers:
+        s = effective_settings(container_env(c, docs, tmp_path))
+        assert s.nats.url.startswith("tls://"), c.where
+        mounts = {m["mountPath"]: m["name"] for m in c.spec["volumeMounts"]}
+        volumes = {v["name"]: v for v in c.pod["spec"]["volumes"]}
+        for path, source in (
+            (s.nats.nkey_seed_file, ("secret", "strait-nats-credentials")),
+            (s.nats.tls_ca_file, ("secret", "strait-nats-credentials")),
+            (s.teams.file, ("configMap", "strait-teams")),
+        ):
+            vol = volumes[mounts[str(Path(path).parent)]]
+            kind, name = source
+            assert vol[kind].get("secretName", vol[kind].get("name")) == name, (c.where, path)
+    teams = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "strait-teams")
+    json.loads(teams["data"]["teams.json"])
 
 
 def test_k8s_pools_have_workers_budgets_and_autoscaling(
