@@ -144,7 +144,7 @@ class StraitClient:
     """A client of the fleet over NATS. Use as ``async with StraitClient(url) as client:``.
 
     ``nc`` is a nats-py connection (the caller keeps owning it) or a URL (the client connects on
-    ``__aenter__``/``connect()`` and closes on exit). ``api_key_id`` is stamped on every request
+    ``__aenter__``/``connect()`` and closes on exit); unset, ``NATS_URL`` or the local default. ``api_key_id`` is stamped on every request
     and usage event as a label; it is *not* a credential (see docs/nats-api.md,
     "Authentication"). ``max_payload`` caps request size below the server's own limit.
 
@@ -158,7 +158,7 @@ class StraitClient:
 
     def __init__(
         self,
-        nc: NATS | str = DEFAULT_URL,
+        nc: NATS | str | None = None,
         *,
         prefix: str = "strait.v1",
         api_key_id: str | None = None,
@@ -173,6 +173,8 @@ class StraitClient:
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
     ) -> None:
+        if nc is None:  # the nats CLI's variable, then the local default
+            nc = os.environ.get("NATS_URL") or DEFAULT_URL
         self._nc: NATS | None = None if isinstance(nc, str) else nc
         self._url = nc if isinstance(nc, str) else ""
         self._owns_connection = isinstance(nc, str)

@@ -71,3 +71,30 @@ def test_an_unknown_code_from_a_newer_fleet_is_still_a_strait_error() -> None:
     msg = ErrorMessage(seq=1, request_id="r", code="brand_new", message="m")  # type: ignore[arg-type]
     err = error_from_message(msg)
     assert type(err) is StraitError and err.code == "brand_new"
+
+
+def test_connection_settings_come_from_the_nats_cli_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for k in ("NATS_URL", "NATS_NKEY", "NATS_CA", "NATS_CERT", "NATS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    plain = StraitClient()
+    assert plain._url == "nats://127.0.0.1:4222" and not plain.nkey_seed_file
+    assert plain.report_usage is True  # no team credentials: the client reports usage
+    monkeypatch.setenv("NATS_URL", "tls://nats.example:4333")
+    monkeypatch.setenv("NATS_NKEY", "/creds/team.nk")
+    monkeypatch.setenv("NATS_CA", "/creds/ca.pem")
+    team = StraitClient()
+    assert (team._url, team.nkey_seed_file, team.tls_ca_file) == (
+        "tls://nats.example:4333",
+        "/creds/team.nk",
+        "/creds/ca.pem",
+    )
+    assert team.report_usage is False  # a team cannot publish usage events
+    assert StraitClient(report_usage=True).report_usage is True
+    explicit = StraitClient("nats://other:4222", nkey_seed_file="", tls_ca_file="")
+    assert (explicit._url, explicit.nkey_seed_file, explicit.tls_ca_file) == (
+        "nats://other:4222",
+        "",
+        "",
+    )
