@@ -19,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import FetchTimeoutError
-from sqlalchemy import and_, bindparam, or_, update
+from sqlalchemy import and_, bindparam, func, or_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -97,9 +97,11 @@ async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
     new, old = stmt.excluded, RequestRow.__table__.c
     new_is_worker = new.source == WORKER_SOURCE
     old_is_worker = old.source == WORKER_SOURCE
+    set_: dict[str, Any] = {k: stmt.excluded[k] for k in rows[0] if k != "request_id"}
+    set_["team"] = func.coalesce(new.team, old.team)  # a client side's row keeps the fleet's team
     stmt = stmt.on_conflict_do_update(
         index_elements=[RequestRow.request_id],
-        set_={k: stmt.excluded[k] for k in rows[0] if k != "request_id"},
+        set_=set_,
         where=or_(
             and_(old_is_worker, ~new_is_worker),
             and_(old_is_worker == new_is_worker, new.finished_at >= old.finished_at),

@@ -158,8 +158,14 @@ async def test_the_client_sides_event_wins_over_the_workers_in_any_order(
     t = time.time()
 
     def ev(rid: str, source: str, at: float, ttft: float) -> UsageEvent:
+        # The team is the fleet's word: only the worker's event names it here.
         return UsageEvent(
-            request_id=rid, source=source, finished_at=at, ttft_s=ttft, completion_tokens=5
+            request_id=rid,
+            source=source,
+            finished_at=at,
+            ttft_s=ttft,
+            completion_tokens=5,
+            team="ops" if source == "worker" else None,
         )
 
     try:
@@ -178,6 +184,8 @@ async def test_the_client_sides_event_wins_over_the_workers_in_any_order(
     assert (rows["gw-first"].source, rows["gw-first"].ttft_s) == ("gateway", 0.5)
     assert (rows["worker-first"].source, rows["worker-first"].ttft_s) == ("nats-client", 0.7)
     assert (rows["same"].source, rows["same"].ttft_s) == ("gateway", 0.9)
+    # Whichever event the row keeps, the worker's team stays on it.
+    assert {r.team for r in rows.values()} == {"ops"}
 
 
 async def test_replicas_share_the_ledger_consumer_and_duplicates_upsert(
