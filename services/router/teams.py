@@ -45,7 +45,6 @@ class TeamPolicy:
         self.subjects = Subjects(settings.nats.subject_prefix)
         self.cfg = settings.teams
         self.path: Path = settings.teams_file
-        self.default_max_tokens = settings.engine.max_model_len
         self.limiter = RateLimiter()
         self.limits: dict[str, tuple[int | None, int | None]] = {}
         self.revoked: set[str] = set()
@@ -98,8 +97,11 @@ class TeamPolicy:
         )
 
     def reserve_estimate(self, req: GenerateRequest) -> int:
-        out = req.sampling.max_tokens or self.default_max_tokens
-        return len(prompt_text(req)) // CHARS_PER_TOKEN + out
+        """As the gateway reserves: the prompt (its token ids, or 4 characters a token) plus
+        ``max_tokens`` for each of the ``n`` choices."""
+        ids = req.prompt_token_ids
+        prompt = len(ids) if ids is not None else len(prompt_text(req)) // CHARS_PER_TOKEN
+        return prompt + req.sampling.max_tokens * req.sampling.n
 
     def admit(self, req: GenerateRequest) -> int | TeamRefusal:
         """Tokens reserved for ``req`` (0 without a team), or why it is refused."""
