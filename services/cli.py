@@ -47,28 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     kc = keys.add_parser("create", help="create a key and print it once")
     kc.add_argument("name")
-    kc.add_argument(
-        "--rpm", type=int, default=None, help="requests per minute (default: gateway.default_rpm)"
-    )
-    kc.add_argument(
-        "--tpm", type=int, default=None, help="tokens per minute (default: gateway.default_tpm)"
-    )
+    _limit_arguments(kc, "gateway")
+    kc.add_argument("--team", default=None, help="the team (strait teams) the key bills as")
     keys.add_parser("list", help="list keys (never their secrets)")
     kr = keys.add_parser("revoke", help="revoke a key by id")
     kr.add_argument("key_id")
-    kc.add_argument("--team", default=None, help="the team (strait teams) the key bills as")
 
     teams = sub.add_parser(
         "teams", help="teams on NATS: accounts, credentials, limits (docs/security.md)"
     ).add_subparsers(dest="action", required=True)
     ta = teams.add_parser("add", help="add a team: writes its nkey seed and the server config")
     ta.add_argument("name")
-    ta.add_argument(
-        "--rpm", type=int, default=None, help="requests per minute (default: teams.default_rpm)"
-    )
-    ta.add_argument(
-        "--tpm", type=int, default=None, help="tokens per minute (default: teams.default_tpm)"
-    )
+    _limit_arguments(ta, "teams")
     teams.add_parser("list", help="list teams (never their seeds)")
     tr = teams.add_parser(
         "revoke", help="revoke a team: its connections close and its requests are cancelled"
@@ -106,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
     sc.add_argument("--out", default="docs/schemas")
     return p
+
+
+def _limit_arguments(p: argparse.ArgumentParser, section: str) -> None:
+    """--rpm / --tpm, defaulting to ``<section>.default_rpm`` / ``default_tpm``."""
+    for flag, what in (("rpm", "requests"), ("tpm", "tokens")):
+        p.add_argument(
+            f"--{flag}",
+            type=int,
+            default=None,
+            help=f"{what} per minute (default: {section}.default_{flag})",
+        )
 
 
 def _keys(args: argparse.Namespace) -> int:
