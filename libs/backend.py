@@ -51,6 +51,8 @@ class PreparedPrompt:
     # grammar when a matcher is made: milliseconds for a large schema).
     grammar: str | None = None
     matchers: list[Any] = field(default_factory=list)
+    # SamplingParams.prediction's tokens (speculation proposes from them first).
+    prediction_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

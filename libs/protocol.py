@@ -34,6 +34,8 @@ T = TypeVar("T")
 
 # Bounds on a request's constraint (characters of a regex or grammar; logit_bias entries).
 MAX_GRAMMAR_CHARS = 65_536
+# Characters of a request's predicted output (SamplingParams.prediction).
+MAX_PREDICTION_CHARS = 262_144
 MAX_LOGIT_BIAS = 1024
 
 Priority = Literal["interactive", "batch"]
@@ -134,6 +136,10 @@ class SamplingParams(Struct):
     # none); None: the pool's engine.speculative. A ceiling: it never turns speculation on
     # where the pool has none, and never changes the output, only its speed.
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] | None = None
+    # OpenAI's predicted output (``prediction.content``): text the answer is expected to
+    # repeat, e.g. the code being edited. Speculation proposes from it first (even in a pool
+    # with speculation off); like every proposal it changes the speed, never the answer.
+    prediction: Annotated[str, msgspec.Meta(max_length=MAX_PREDICTION_CHARS)] | None = None
 
     @property
     def greedy(self) -> bool:

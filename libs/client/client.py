@@ -99,6 +99,9 @@ class RequestOptions(TypedDict, total=False):
     ignore_eos: bool
     # Speculative decoding's depth for this request, a ceiling under the pool's (0: off).
     num_speculative_tokens: int | None
+    # A predicted output (text the answer should repeat, e.g. the code being edited): faster
+    # answers when it is right, the same answer either way (OpenAI's prediction.content).
+    prediction: str | None
     logit_bias: Mapping[int | str, float]
     # A grammar the output follows: a StructuredOutput or its dict (json / regex / choice /
     # grammar), as in docs/structured-outputs.md.

@@ -56,6 +56,7 @@ class _Add:
     resume: Resume | None = None
     grammar: str | None = None
     matchers: list[Any] = field(default_factory=list)  # one per choice, made by prepare
+    prediction_ids: list[int] = field(default_factory=list)  # PreparedPrompt.prediction_ids
     # Export the prompt's full blocks on the engine thread the moment the request finishes
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
@@ -278,14 +279,21 @@ class AsyncEngineBackend:
                 param,
             )
         # logit_bias's token ids are checked by LLMEngine.add_request.
+        predicted: list[int] = []
+        if sampling.prediction:
+            predicted = list(
+                self.tokenizer(sampling.prediction, add_special_tokens=False)["input_ids"]
+            )
         if sampling.structured is None and not (tools is not None and tools.forced):
-            return PreparedPrompt(token_ids=ids, text=text)
+            return PreparedPrompt(token_ids=ids, text=text, prediction_ids=predicted)
         grammars = self._engine.grammars if self._engine is not None else None
         if grammars is None:
             raise BackendError("internal_error", "the engine is not started")
         grammar = grammars.compile(sampling.structured, tools)
         matchers = [grammars.matcher(grammar) for _ in range(sampling.n)] if grammar else []
-        return PreparedPrompt(token_ids=ids, text=text, grammar=grammar, matchers=matchers)
+        return PreparedPrompt(
+            token_ids=ids, text=text, grammar=grammar, matchers=matchers, prediction_ids=predicted
+        )
 
     def _check_length_before_tokenizing(
         self, chars: int, sampling: SamplingParams, param: str
@@ -320,6 +328,7 @@ class AsyncEngineBackend:
             resume,
             prompt.grammar,
             list(prompt.matchers),
+            list(prompt.prediction_ids),
         )
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
@@ -470,6 +479,7 @@ class AsyncEngineBackend:
                     cmd.resume,
                     cmd.grammar,
                     cmd.matchers,
+                    cmd.prediction_ids,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)

@@ -65,6 +65,7 @@ class _Request:
     seqs: list[Sequence]
     grammar: str | None = None  # llguidance grammar text every choice follows
     matchers: list[Any] = field(default_factory=list)  # unused fresh matchers of grammar
+    prediction: list[int] = field(default_factory=list)  # predicted output's tokens
 
 
 class LLMEngine:
@@ -145,6 +146,7 @@ class LLMEngine:
         resume: Resume | None = None,
         grammar: str | None = None,
         matchers: Seq[Any] = (),
+        prediction: Seq[int] = (),
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
@@ -152,7 +154,8 @@ class LLMEngine:
         first (see :class:`libs.backend.Resume`): replayed ones silently, the handed-off one
         reported in the next step's output. ``grammar``: llguidance grammar text (from
         ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
-        of it made off this thread (choices without one get a new one here)."""
+        of it made off this thread (choices without one get a new one here). ``prediction``:
+        the tokens of the request's predicted output, proposed first by the speculator."""
         if resume is not None and sampling.n != 1:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
@@ -182,7 +185,7 @@ class LLMEngine:
             )
         if grammar is not None and self.grammars is None:
             raise BackendError("invalid_request", "this engine has no tokenizer for grammars")
-        req = _Request(request_id, sampling, [], grammar, list(matchers))
+        req = _Request(request_id, sampling, [], grammar, list(matchers), list(prediction))
         seq = self._new_sequence(req, 0, list(prompt_token_ids), priority)
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -233,6 +236,7 @@ class LLMEngine:
             generator=generator,
             detokenizer=detok,
             matcher=matcher,
+            prediction=req.prediction,
         )
 
     def abort_request(self, request_id: str) -> bool:

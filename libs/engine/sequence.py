@@ -83,6 +83,10 @@ class Sequence:
     spec_idle: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # The request's predicted output (tokens; SamplingParams.prediction), shared by its
+    # choices, and the proposer's index over it.
+    prediction: list[int] = field(default_factory=list)
+    prediction_index: Any = None
 
     @property
     def priority_class(self) -> int:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from libs.protocol import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
+    MAX_PREDICTION_CHARS,
     ChatMessage,
     SamplingParams,
     StructuredOutput,
@@ -32,7 +33,6 @@ UNSUPPORTED: dict[str, str] = {
     "audio": "audio output is not supported",
     "functions": "`functions` is deprecated and not supported; use `tools`",
     "function_call": "`function_call` is deprecated and not supported; use `tool_choice`",
-    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "the served models do not reason; reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
@@ -48,6 +48,29 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted without effect (no obfuscation padding)
+
+
+class PredictionPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the answer is expected to repeat (docs/speculation.md)."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    @model_validator(mode="after")
+    def _size(self) -> Prediction:
+        if len(self.text()) > MAX_PREDICTION_CHARS:
+            raise ValueError(f"prediction.content is over {MAX_PREDICTION_CHARS} characters")
+        return self
 
 
 class JsonSchemaFormat(_Strict):
@@ -153,6 +176,8 @@ class _Common(_Strict):
     # Strait extension: speculative decoding's depth for this request, a ceiling under the
     # pool's (0: none; docs/speculation.md). Never changes the answer.
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=16)
+    # OpenAI's predicted output: speculation proposes from it first (never changes the answer).
+    prediction: Prediction | None = None
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
@@ -167,7 +192,6 @@ class _Common(_Strict):
     audio: Any = None
     functions: Any = None
     function_call: Any = None
-    prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
@@ -240,6 +264,7 @@ class _Common(_Strict):
             logit_bias=self.logit_bias,
             structured=self.structured(),
             num_speculative_tokens=self.num_speculative_tokens,
+            prediction=self.prediction.text() if self.prediction is not None else None,
         )
 
     @property

@@ -63,3 +63,31 @@ def test_code_edit_equals_generate_and_keeps_proposals(
     print(f"{method}: {sp.num_accepted}/{sp.num_proposed} kept, {engine.num_steps} steps")
     assert sp.num_accepted > 0.5 * sp.num_proposed  # the answer copies the prompt
     assert engine.num_steps < 0.7 * tokens  # and so takes far fewer forwards than tokens
+
+
+def test_a_predicted_output_equals_generate_with_speculation_off(
+    code_edits: tuple[Any, Any, list[list[int]], list[list[int]]],
+) -> None:
+    """OpenAI's ``prediction``: the code the request edits as the predicted output, in an
+    engine with speculation off. The answer is ``model.generate``'s, and proposals from the
+    prediction are kept."""
+    model, tok, prompts, refs = code_edits
+    settings = EngineSettings(
+        kv_cache_bytes=64 * 2**20, speculative=SpeculativeSettings(method="off")
+    )
+    engine = LLMEngine(model, tok, settings, "smollm2")
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    got: dict[str, list[int]] = {}
+    for i, (ids, ref) in enumerate(zip(prompts, refs, strict=True)):
+        # The predicted output: the reference answer with its middle third rewritten.
+        third = len(ref) // 3
+        predicted = ref[:third] + tok("# rewritten\n")["input_ids"] + ref[2 * third :]
+        engine.add_request(f"p{i}", ids, greedy, prediction=predicted)
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.chunk.token_ids)
+    assert [got["p0"], got["p1"]] == refs
+    sp = engine.speculator
+    print(f"prediction: {sp.num_accepted}/{sp.num_proposed} kept, {engine.num_steps} steps")
+    assert sp.num_accepted > 0.5 * sp.num_proposed
+    assert engine.num_steps < 0.7 * sum(len(r) for r in refs)

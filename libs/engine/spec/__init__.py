@@ -24,6 +24,7 @@ import torch
 from libs.engine import metrics
 from libs.engine.sequence import Sequence
 from libs.engine.spec.ngram import NgramIndex
+from libs.engine.spec.prediction import PredictionIndex
 from libs.engine.spec.suffix import SuffixCache
 from libs.settings import EngineSettings, SpeculativeSettings
 
@@ -76,6 +77,32 @@ class SuffixProposer(NgramProposer):
 
 PROPOSERS: dict[str, type[NgramProposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
 
+
+class PredictionProposer:
+    """A request's predicted output first (``Sequence.prediction``, :mod:`.prediction`), then
+    the pool's proposer (``inner``; None where the pool has speculation off: then only
+    requests with a prediction speculate)."""
+
+    def __init__(self, s: SpeculativeSettings, inner: Proposer | None) -> None:
+        self.min_n, self.max_n = s.prompt_lookup_min, s.prompt_lookup_max
+        self.inner = inner
+        self.name = inner.name if inner is not None else "prediction"
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if seq.prediction:
+            if seq.prediction_index is None:
+                seq.prediction_index = PredictionIndex(seq.prediction, self.min_n, self.max_n)
+            found = seq.prediction_index.find(seq.token_ids, k)
+            if found:
+                return found
+        return self.inner.propose(seq, k) if self.inner is not None else []
+
+    def finished(self, seq: Sequence) -> None:
+        seq.prediction_index = None
+        if self.inner is not None:
+            self.inner.finished(seq)
+
+
 RATE_WEIGHT = 0.05  # weight of one verification in the worker's acceptance rate
 STEP_COST_DECAY = 0.99  # weight of a step in the cost fit, per later step
 STEP_COST_MIN_STEPS = 16  # decode steps before the fit is used
@@ -125,12 +152,19 @@ class Speculator:
     """Chooses which sequences speculate how deep each step, and keeps the acceptance figures."""
 
     def __init__(
-        self, s: SpeculativeSettings, model_id: str, max_model_len: int, proposer: Proposer
+        self,
+        s: SpeculativeSettings,
+        model_id: str,
+        max_model_len: int,
+        proposer: Proposer,
+        prediction_only: bool = False,
     ) -> None:
         self.settings = s
         self.proposer = proposer
         self.max_model_len = max_model_len
-        labels = {"model": model_id, "method": s.method}
+        # The pool has speculation off: only sequences with a predicted output speculate.
+        self.prediction_only = prediction_only
+        labels = {"model": model_id, "method": proposer.name}
         self._proposed = metrics.SPEC_PROPOSED.labels(**labels)
         self._accepted = metrics.SPEC_ACCEPTED.labels(**labels)
         self._length = metrics.SPEC_ACCEPTED_LENGTH.labels(**labels)
@@ -171,6 +205,8 @@ class Speculator:
             return
         need = self.cost.break_even(len(decoding))
         for seq in decoding:
+            if self.prediction_only and not seq.prediction:
+                continue
             k = self.depth(seq, need)
             if k:
                 seq.spec_tokens = self.proposer.propose(seq, k)
@@ -204,12 +240,15 @@ def make_speculator(
     max_model_len: int,
     vocab_size: int,
     draft_model: torch.nn.Module | None = None,
-) -> Speculator | None:
-    """The engine's speculator, or None when ``engine.speculative.method`` is "off". The
-    "draft" method needs ``draft_model`` loaded (with ``vocab_size`` tokens, the target's)."""
+) -> Speculator:
+    """The engine's speculator: the pool's method behind requests' predicted outputs; with
+    ``engine.speculative.method`` "off", predicted outputs alone. The "draft" method needs
+    ``draft_model`` loaded (with ``vocab_size`` tokens, the target's)."""
     s = engine.speculative
     if s.method == "off":
-        return None
+        return Speculator(
+            s, model_id, max_model_len, PredictionProposer(s, None), prediction_only=True
+        )
     proposer: Proposer
     if s.method == "draft":
         from libs.engine.spec.draft import DraftProposer
@@ -225,7 +264,14 @@ def make_speculator(
         proposer = draft
     else:
         proposer = PROPOSERS[s.method](s)
-    return Speculator(s, model_id, max_model_len, proposer)
+    return Speculator(s, model_id, max_model_len, PredictionProposer(s, proposer))
 
 
-__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "Speculator", "SuffixProposer"]
+__all__ = [
+    "PROPOSERS",
+    "NgramProposer",
+    "PredictionProposer",
+    "Proposer",
+    "Speculator",
+    "SuffixProposer",
+]

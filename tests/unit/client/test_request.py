@@ -98,3 +98,10 @@ def test_connection_settings_come_from_the_nats_cli_environment(
         "",
         "",
     )
+
+
+def test_a_prediction_travels_in_the_sampling_params() -> None:
+    req = StraitClient().request("edit this", prediction="def f():\n    return 1\n")
+    assert req.sampling.prediction == "def f():\n    return 1\n"
+    with pytest.raises(InvalidRequest):
+        StraitClient().request("x", prediction="a" * 262_145)

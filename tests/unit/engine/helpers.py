@@ -114,6 +114,7 @@ class Submission:
     priority: Priority = "interactive"
     arrive_at_step: int = 0
     grammar: str | None = None  # from LLMEngine.grammars.compile
+    prediction: list[int] = field(default_factory=list)  # a predicted output's tokens
 
 
 def run_engine(
@@ -126,7 +127,14 @@ def run_engine(
     while pending or engine.has_unfinished():
         while pending and pending[0].arrive_at_step <= step:
             s = pending.pop(0)
-            engine.add_request(s.request_id, s.prompt, s.sampling, s.priority, grammar=s.grammar)
+            engine.add_request(
+                s.request_id,
+                s.prompt,
+                s.sampling,
+                s.priority,
+                grammar=s.grammar,
+                prediction=s.prediction,
+            )
         for out in engine.step():
             r = results.setdefault((out.request_id, out.chunk.index), Result())
             r.token_ids += out.chunk.token_ids

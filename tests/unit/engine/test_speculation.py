@@ -9,6 +9,7 @@ proposers (``ngram``, ``suffix``) are tested on their own and end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -21,6 +22,7 @@ from libs.engine.engine import LLMEngine
 from libs.engine.sequence import Sequence
 from libs.engine.spec import NgramProposer, Speculator, SuffixProposer
 from libs.engine.spec.ngram import NgramIndex
+from libs.engine.spec.prediction import PredictionIndex
 from libs.engine.spec.suffix import SuffixCache
 from libs.protocol import SamplingParams, StructuredOutput
 from libs.settings import SpeculativeSettings
@@ -411,6 +413,54 @@ def test_ngram_proposer_end_to_end_is_exact_and_backs_off() -> None:
     assert sp.num_proposed < 4 * 39 / 2  # adaptive: far from 4 proposals on every step
 
 
+# ------------------------------------------------------------------------ predicted outputs
+
+
+def test_prediction_index_walks_the_prediction_in_order() -> None:
+    doc = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3, 7]
+    idx = PredictionIndex(doc, 2, 3)
+    assert idx.find([5, 1, 2, 3], 2) == [9, 1]  # the first copy: the answer starts there
+    assert idx.find([5, 1, 2, 3, 9, 1, 2, 3], 2) == [8, 1]  # past the cursor: the next copy
+    assert idx.find([2, 3], 3) == [7]  # the last copy when none is past the cursor
+    assert idx.find([4, 4], 2) == [] and idx.find([3, 7], 2) == []  # unknown; nothing follows
+
+
+@pytest.mark.parametrize("method", ["off", "ngram"])
+def test_a_predicted_output_speeds_up_without_changing_the_answer(method: str) -> None:
+    """OpenAI's ``prediction``: the known answer with edits (a changed token, a dropped run, an
+    inserted run) as the prediction; greedy and seeded outputs equal the runs without it, and
+    most of the prediction is kept — with speculation off in the pool too."""
+    model = tiny_model("llama", seed=4)
+    ps = prompts(4)[:4]
+    refs = [reference_greedy(model, p, 40) for p in ps]  # before an engine patches the model
+    spec = SpeculativeSettings(method=method, num_speculative_tokens=6, disable_by_batch_size=64)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"g{i}", p, greedy) for i, p in enumerate(ps)]
+    subs += [Submission(f"s{i}", p, seeded(300 + i, n=1 + i % 2)) for i, p in enumerate(ps)]
+    off = SpeculativeSettings(method="off")
+    plain = run_engine(LLMEngine(model, None, engine_settings(model, speculative=off), "t"), subs)
+
+    def edited(tokens: list[int]) -> list[int]:
+        out = list(tokens)
+        out[5] = (out[5] + 1) % TINY_VOCAB
+        del out[12:15]
+        return [*out[:20], 7, 7, 7, *out[20:]]
+
+    predicted = [
+        dataclasses.replace(s, prediction=edited(plain[(s.request_id, 0)].token_ids)) for s in subs
+    ]
+    engine = LLMEngine(model, None, engine_settings(model, speculative=spec), "t")
+    got = run_engine(engine, predicted)
+    assert outputs(got) == outputs(plain)
+    assert [got[(f"g{i}", 0)].token_ids for i in range(len(ps))] == refs
+    sp = engine.speculator
+    assert sp.num_accepted > 0.5 * sum(len(r.token_ids) for r in plain.values()) / 2
+    if method == "off":  # a pool without speculation speculates for predictions only
+        no_prediction = LLMEngine(model, None, engine_settings(model, speculative=spec), "t")
+        run_engine(no_prediction, subs)
+        assert no_prediction.speculator.num_proposed == 0
+
+
 # ---------------------------------------------------------------------------------- draft
 
 
@@ -454,7 +504,7 @@ def test_draft_model_greedy_and_seeded_equal_no_speculation(kind: str) -> None:
     if kind == "same":  # every greedy proposal is kept
         assert sp.num_accepted > 0.5 * sp.num_proposed
     assert engine.pool.num_used == 0
-    assert sp.proposer.pool.num_used == 0  # type: ignore[attr-defined]  # the draft's blocks too
+    assert sp.proposer.inner.pool.num_used == 0  # type: ignore[attr-defined]  # the draft's blocks too
 
 
 def test_draft_model_must_share_the_vocabulary() -> None:

@@ -71,6 +71,13 @@ def test_refused_chat_fields_name_themselves(client: TestClient, field: str) -> 
         ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
         ("/v1/chat/completions", {"num_speculative_tokens": 17}, "num_speculative_tokens"),
         ("/v1/chat/completions", {"num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ("/v1/chat/completions", {"prediction": {"type": "x", "content": "a"}}, "prediction.type"),
+        ("/v1/chat/completions", {"prediction": {"type": "content"}}, "prediction.content"),
+        (
+            "/v1/chat/completions",
+            {"prediction": {"type": "content", "content": "a" * 262_145}},
+            "prediction",
+        ),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, None),
@@ -114,6 +121,13 @@ def test_fields_map_onto_the_wire() -> None:
     )
     assert sp.structured == StructuredOutput(json={"type": "object"})
     assert sp.logit_bias == {"12": -5.0}
+    assert sp.prediction is None
+    for content in ("def f():\n    return 1\n", [{"type": "text", "text": "def f():\n"}] * 2):
+        predicted = ChatCompletionRequest.model_validate(
+            {**CHAT, "prediction": {"type": "content", "content": content}}
+        ).sampling(16, None)
+        want = content if isinstance(content, str) else "def f():\ndef f():\n"
+        assert predicted.prediction == want
     tools, choice, name = b.wire_tools()
     assert [t.name for t in tools or []] == ["get_weather"]
     assert (choice, name) == ("required", "get_weather")
