@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +50,8 @@ def test_concurrent_streams_equal_generate(
     """Four concurrent chats, twice (the second round hits the prefix cache), equal
     ``model.generate``'s greedy text — in one aggregated worker, and split over a prefill and a
     decode worker process with the KV blocks handed off over NATS; and served from the GGUF's
-    own 4-bit blocks (float32 activations into the block kernel: the float model's bits)."""
+    own 4-bit blocks (float32 activations into the block kernel: the float model's bits). The
+    second round predicts each answer (OpenAI's ``prediction``): the same text comes back."""
     from openai import AsyncOpenAI
 
     from libs.engine import kernels
@@ -82,7 +84,10 @@ def test_concurrent_streams_equal_generate(
     ) as fleet:
         client = AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0)
 
-        async def ask(q: str) -> tuple[str, int]:
+        async def ask(q: str, predicted: str | None) -> tuple[str, int]:
+            extra: dict[str, Any] = {}
+            if predicted is not None:
+                extra["prediction"] = {"type": "content", "content": predicted}
             stream = await client.chat.completions.create(
                 model="auto",
                 messages=[{"role": "user", "content": q}],
@@ -90,6 +95,7 @@ def test_concurrent_streams_equal_generate(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
+                **extra,
             )
             text, completion_tokens = "", 0
             async for chunk in stream:
@@ -101,7 +107,12 @@ def test_concurrent_streams_equal_generate(
 
         async def all_at_once() -> list[list[tuple[str, int]]]:
             try:
-                return [await asyncio.gather(*(ask(q) for q in QUESTIONS)) for _ in range(2)]
+                return [
+                    await asyncio.gather(
+                        *(ask(q, p) for q, p in zip(QUESTIONS, hints, strict=True))
+                    )
+                    for hints in ([None] * len(QUESTIONS), expected)
+                ]
             finally:
                 await client.close()
 
