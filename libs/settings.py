@@ -255,7 +255,10 @@ class HandoffSettings(BaseModel):
     """Disaggregated pools: the prefill → decode KV handoff (libs/protocol.py, "KV handoff")."""
 
     # Seconds the prefill worker waits for a decode worker's answer to an offer or a commit.
-    request_timeout_s: float = 5.0
+    # As long as the decode side keeps the reservation: a decode worker that is only busy (a
+    # long engine step before it can import the blocks, on a loaded machine) must not turn
+    # into a 503; a dead one stops beating and the router stops offering it work.
+    request_timeout_s: float = 15.0
     # Seconds a decode worker keeps an accepted, uncommitted transfer before dropping it.
     reservation_ttl_s: float = 15.0
     # Bytes of one KV chunk message; 0: nats.max_payload less room for headers.
