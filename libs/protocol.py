@@ -745,6 +745,16 @@ class Subjects:
             return tokens[0]
         raise ValueError(f"not a {kind} subject: {subject!r}")
 
+    def addressed(
+        self, subject: str, kind: Literal["cancel", "resend"], named: str = ""
+    ) -> tuple[str | None, str]:
+        """(team, request id) a cancel or resend is for. A team's names its request in the
+        subject (its import wrote ``<kind>.<team>.<id>``); the fleet's may name it in the
+        message instead (``named``). Raises ValueError for a subject of neither shape."""
+        team = self.team_of(subject, kind)
+        rid = subject.rsplit(".", 1)[-1]
+        return team, (named or rid) if team is None else rid
+
     @property
     def teams_changed(self) -> str:
         return f"{self.prefix}.admin.teams"

@@ -318,7 +318,8 @@ def _subject_rows(settings: NatsSettings) -> list[str]:
     members = {
         n
         for n, v in inspect.getmembers(Subjects)
-        if not n.startswith("_") and n not in ("prefix", "team_of")  # team_of parses subjects
+        # team_of and addressed parse subjects; they name none
+        if not n.startswith("_") and n not in ("prefix", "team_of", "addressed")
     }
     missing = members - SUBJECTS.keys()
     if missing:

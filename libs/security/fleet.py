@@ -8,15 +8,17 @@ Under ``<state_dir>/secure`` (next to the teams file and seeds of ``teams``)::
     nats/       # JetStream's store
 
 ``SecureFleet.prepare`` makes what is missing and returns the NATS settings every fleet
-process connects with (TLS URL, CA, the fleet's nkey). ``apply_change`` is what ``strait
-teams add|revoke`` does after editing the teams file: rewrite the config, have the running
-server reload it (a removed user's connections close at once), and tell the routers and
-workers (``TeamsChanged``) so a revoked team's queued and running requests end.
+process connects with (TLS URL, CA, the fleet's nkey). After editing the teams file,
+``strait teams add|revoke`` calls ``write_config`` (rewrite the config), ``reload_server``
+(the running server re-reads it; a removed user's connections close at once) and
+``announce`` (``TeamsChanged`` to the routers and workers, so a revoked team's queued and
+running requests end).
 """
 
 from __future__ import annotations
 
 import subprocess
+from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -38,8 +40,9 @@ class SecureFleet:
         url = urlparse(settings.nats.url.split(",")[0].strip())
         self.host, self.port = url.hostname or "127.0.0.1", url.port or 4222
 
-    @property
+    @cached_property
     def tls(self) -> TlsFiles:
+        """The development CA and server certificate (made or checked once per instance)."""
         return ensure_dev_tls(self.dir / "tls", [self.host, "localhost", "127.0.0.1"])
 
     def write_config(self) -> Path:
@@ -64,6 +67,10 @@ class SecureFleet:
     def prepare(self) -> NatsSettings:
         """Keys, certificates and config in place; the fleet processes' NATS settings."""
         self.write_config()
+        return self.fleet_nats()
+
+    def fleet_nats(self) -> NatsSettings:
+        """The NATS settings every fleet process connects with: TLS, the CA, the fleet's key."""
         return self.settings.nats.model_copy(
             update={
                 "url": f"tls://{self.host}:{self.port}",
@@ -83,7 +90,7 @@ class SecureFleet:
 
     async def announce(self, revoked: list[str]) -> None:
         """``TeamsChanged`` to the fleet's routers and workers, as the fleet."""
-        nc = await connect(self.prepare(), "strait-teams")
+        nc = await connect(self.fleet_nats(), "strait-teams")
         try:
             subject = Subjects(self.settings.nats.subject_prefix).teams_changed
             await nc.publish(subject, encode(TeamsChanged(revoked=revoked)))

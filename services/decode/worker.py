@@ -158,21 +158,16 @@ class Worker:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
         try:
-            team = self.subjects.team_of(msg.subject, "cancel")
+            team, rid = self.subjects.addressed(msg.subject, "cancel", c.request_id)
         except ValueError:
             await dead_letter(self.nc, self.subjects, msg, "not a cancel subject", "worker")
             return
-        rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
-        if team is not None:
-            # A team's cancel names its request in the subject (which its import maps into
-            # cancel.<team>.*), and counts only for that team's own requests.
-            rid = msg.subject.rsplit(".", 1)[-1]
-            if rid in self.tasks and self.teams.get(rid) != team:
-                log.warning(
-                    "cancel refused: another team's request",
-                    extra=fields(request_id=rid, team=team),
-                )
-                return
+        if team is not None and rid in self.tasks and self.teams.get(rid) != team:
+            # A team's cancel counts only for that team's own requests.
+            log.warning(
+                "cancel refused: another team's request", extra=fields(request_id=rid, team=team)
+            )
+            return
         if c.worker_id and c.worker_id != self.worker_id:
             return  # the request was taken from another worker, and runs here now
         self.recently_cancelled[rid] = team
@@ -206,9 +201,8 @@ class Worker:
         except ProtocolError as e:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
-        rid = msg.subject.rsplit(".", 1)[-1]
         try:
-            team = self.subjects.team_of(msg.subject, "resend")
+            team, rid = self.subjects.addressed(msg.subject, "resend")
         except ValueError:
             return
         held = self.writers.get(rid) or self.ended_writers.get(rid, (None, 0.0))[0]

@@ -93,15 +93,12 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         # worker and leave the watch alone.
         try:
             c = decode(msg.data, CancelRequest)
-            team = subjects.team_of(msg.subject, "cancel")
+            team, rid = subjects.addressed(msg.subject, "cancel", c.request_id)
         except (ProtocolError, ValueError):
             return  # the workers dead-letter it
-        rid = c.request_id or msg.subject.rsplit(".", 1)[-1]
-        if team is not None:  # a team's cancel: the subject names the request, its own only
-            rid = msg.subject.rsplit(".", 1)[-1]
-            w = router.watch.watched.get(rid)
-            if w is None or w.req.team != team:
-                return
+        w = router.watch.watched.get(rid)
+        if team is not None and (w is None or w.req.team != team):
+            return  # a team's cancel counts only for its own requests
         if not c.worker_id:
             await router.watch.forget(rid)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +41,6 @@ from libs.protocol import (
     CancelRequest,
     ErrorCode,
     ErrorMessage,
-    Finished,
     GenerateRequest,
     Migrated,
     Migration,
@@ -69,8 +67,6 @@ log = logging.getLogger("strait.router")
 
 # Workers offered one decision before the router gives up with no_capacity.
 MAX_OFFERS = 4
-# Teams' token reservations awaiting their request's end (oldest dropped past this).
-MAX_RESERVATIONS = 100_000
 
 
 @dataclass
@@ -141,11 +137,9 @@ class Router:
         self._configured_models = {p.name: p.model for p in settings.pools}
         self.teams = TeamPolicy(settings)
         self.watch = StreamWatch(
-            nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self._settle
+            nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.teams.finished
         )
         self._tracer = tracer("strait.router")
-        # request id → (team, tokens reserved by TeamPolicy.admit), until its stream ends.
-        self._reserved: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
 
     # ------------------------------------------------------------ pool choice
 
@@ -295,10 +289,6 @@ class Router:
             await self.reply_error(req, refusal)
             await msg.ack()
             return
-        if admitted:
-            self._reserved[req.request_id] = (req.team, admitted)
-            while len(self._reserved) > MAX_RESERVATIONS:
-                self._reserved.popitem(last=False)
         acked = False
 
         async def ack() -> None:
@@ -536,22 +526,11 @@ class Router:
         )
         await self.nc.publish(self.stream_subject(req), encode(err))
 
-    def _settle(self, req: GenerateRequest, final: Finished | None) -> None:
-        """The watch saw ``req``'s stream end: its team's reservation becomes its usage (kept
-        whole when it ended without ``Finished``)."""
-        held = self._reserved.pop(req.request_id, None)
-        if held is not None and final is not None:
-            used = final.usage.prompt_tokens + final.usage.completion_tokens
-            self.teams.settle(held[0], held[1], used)
-
     async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
         metrics.REJECTED.labels(code=e.code).inc()
         if e.request_id:  # usable as a subject token (ProtocolError keeps no other)
             err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
-            try:
-                team = self.subjects.team_of(msg.subject, "requests")
-            except ValueError:
-                team = None
+            team = self.teams.sender(msg.subject)
             subject = (
                 self.subjects.stream(e.request_id)
                 if team is None

@@ -6,8 +6,9 @@ request that arrived on ``<p>.requests.<team>`` (a team's account, through its i
 stamped with that team and its tokens go to ``<p>.stream.<team>.<id>``, whatever the sender
 wrote in ``team``, ``api_key_id`` or ``reply_subject``. Then ``admit`` refuses revoked teams and
 applies the team's requests/tokens per minute (``libs.ratelimit``, the gateway's semantics) to
-every request with a team: from NATS, and from the gateway for keys of a team. The watch
-``settle``s a request's reservation with its usage when its stream finishes.
+every request with a team: from NATS, and from the gateway for keys of a team. The router's
+stream watch calls ``finished`` when a request's stream ends: its reservation becomes its
+usage.
 
 The teams file (``Settings.teams_file``, written by ``strait teams``) is re-read when its
 modification time changes, checked at most every ``teams.reload_interval_s`` and at once on a
@@ -18,19 +19,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from libs.log import fields
-from libs.protocol import ErrorCode, GenerateRequest, Subjects
+from libs.protocol import ErrorCode, Finished, GenerateRequest, Subjects
 from libs.ratelimit import RateLimiter, Refusal
 from libs.security.teams import TeamsFile
 from libs.settings import Settings
 from services.router.classifier import CHARS_PER_TOKEN, prompt_text
 
 log = logging.getLogger("strait.router")
+
+# Reservations awaiting their request's end (a request the watch never sees end is dropped
+# oldest first past this).
+MAX_RESERVATIONS = 100_000
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class TeamPolicy:
         self.cfg = settings.teams
         self.path: Path = settings.teams_file
         self.limiter = RateLimiter()
+        # request id → (team, tokens reserved by admit), until finished (oldest dropped first).
+        self.reserved: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.limits: dict[str, tuple[int | None, int | None]] = {}
         self.revoked: set[str] = set()
         self._mtime: float | None = None
@@ -80,13 +88,17 @@ class TeamPolicy:
         for t in teams:
             self.limits.pop(t, None)
 
+    def sender(self, subject: str) -> str | None:
+        """The team whose account a request arrived from (its subject); None: the fleet's."""
+        try:
+            return self.subjects.team_of(subject, "requests")
+        except ValueError:
+            return None
+
     def attribute(self, req: GenerateRequest, subject: str) -> GenerateRequest:
         """``req`` as the fleet will run it: a team's request carries the team the server
         delivered it as, its stream goes to that team's export, and no API key id."""
-        try:
-            team = self.subjects.team_of(subject, "requests")
-        except ValueError:
-            team = None
+        team = self.sender(subject)
         if team is None:
             return req  # the fleet's own subject: the gateway or a trusted internal client
         return msgspec.structs.replace(
@@ -120,8 +132,15 @@ class TeamPolicy:
         if isinstance(got, Refusal):
             msg = f"rate limit reached for team {req.team!r}: {got.message}"
             return TeamRefusal("rate_limited", msg, got.retry_after_s)
+        self.reserved[req.request_id] = (req.team, got)
+        while len(self.reserved) > MAX_RESERVATIONS:
+            self.reserved.popitem(last=False)
         return got
 
-    def settle(self, team: str | None, reserved: int, used: int) -> None:
-        if team is not None:
-            self.limiter.settle(team, reserved, used)
+    def finished(self, req: GenerateRequest, final: Finished | None) -> None:
+        """``req``'s stream ended: its reservation becomes its usage (kept whole when it ended
+        without ``Finished``)."""
+        held = self.reserved.pop(req.request_id, None)
+        if held is not None and final is not None:
+            used = final.usage.prompt_tokens + final.usage.completion_tokens
+            self.limiter.settle(held[0], held[1], used)

@@ -14,10 +14,17 @@ import pytest
 from nats.errors import Error as NatsError
 from sqlalchemy import select
 
-from libs.client import PermissionDenied, RateLimited
+from libs.client import PermissionDenied, RateLimited, error_from_message
 from libs.db.models import RequestRow
 from libs.nats_util import connect
-from libs.protocol import GenerateRequest, SamplingParams, Subjects, encode
+from libs.protocol import (
+    ErrorMessage,
+    GenerateRequest,
+    SamplingParams,
+    Subjects,
+    decode_stream,
+    encode,
+)
 from libs.security.tls import ensure_dev_tls
 from tests.integration.security.conftest import SecuredFleet
 
@@ -200,10 +207,11 @@ async def test_a_revoked_team_is_refused_at_once_and_its_requests_cancelled(
         sub = await fleet_nc.subscribe(subjects.team_stream("gamma", req.request_id))
         await fleet_nc.jetstream().publish(subjects.team_requests("gamma"), encode(req))
         msg = await sub.next_msg(timeout=5)
-        assert b'"permission_denied"' in msg.data
+        refused = decode_stream(msg.data)
+        assert isinstance(refused, ErrorMessage)
+        assert isinstance(error_from_message(refused), PermissionDenied)
     finally:
         await fleet_nc.close()
-    assert PermissionDenied.code == "permission_denied"
 
 
 async def _closed(client: object) -> bool:

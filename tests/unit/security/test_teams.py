@@ -53,6 +53,10 @@ def test_team_subjects_parse_only_their_shapes() -> None:
     assert s.team_of("p.v1.cancel.r1", "cancel") is None
     assert s.team_of("p.v1.cancel.alpha.r1", "cancel") == "alpha"
     assert s.team_of("p.v1.resend.alpha.r1", "resend") == "alpha"
+    # A team's cancel is for the request its subject names, whatever its message says.
+    assert s.addressed("p.v1.cancel.alpha.r1", "cancel", "other") == ("alpha", "r1")
+    assert s.addressed("p.v1.cancel.r1", "cancel", "named") == (None, "named")
+    assert s.addressed("p.v1.resend.r1", "resend") == (None, "r1")
     for bad, kind in (
         ("p.v1.requests.a.b", "requests"),
         ("p.v1.cancel.a.b.c", "cancel"),
