@@ -24,10 +24,17 @@ and ``--warmup`` seconds more; it measures for ``--duration`` seconds:
 - streams held (requests between their send and their last byte, sampled every 0.25 s);
 - TTFT (send → first content chunk) and the inter-chunk gap between consecutive content chunks
   of a stream as the client reads them, p50/p99. Chunks that arrive in one socket read get a gap
-  of ~0: the gap is what a client observes, bursts included. The worker does not stamp its frames
-  with a clock, so the latency the gateway *adds* per token is not measured directly; the
-  gateway's own view (its ``/metrics``: ``strait_gateway_*`` scraped before and after the window)
-  is printed in a second table;
+  of ~0: the gap is what a client observes, bursts included. The gateway's own view (its
+  ``/metrics``: ``strait_gateway_*`` scraped before and after the window) is printed in a second
+  table;
+- with ``--probe``, the latency the gateway *adds* per token: the client also subscribes to every
+  stream subject on nats-server itself (one raw-protocol connection, parsed by hand: a few µs a
+  frame), so each token frame reaches this process twice, once from nats-server directly and once
+  as the gateway's SSE chunk. Per token, added = (SSE chunk read) − (the same frame read from
+  NATS), both on this process's one clock and event loop; matched by request id (the response's
+  ``X-Request-Id``) and the token's ordinal in its stream. It counts everything between
+  nats-server and the client that the direct path does not: the gateway's socket read, its event
+  loop's queue, decoding, the SSE encode and write, and one more loopback TCP hop;
 - request errors by HTTP status / error code;
 - CPU of each gateway process, of the client, and of the rest of the fleet (router, workers,
   nats-server) over the window, as % of one core (psutil).
@@ -101,7 +108,11 @@ class ClientState:
         self.errors: Counter[str] = Counter()
         self.ttft = array("d")
         self.gaps = array("d")
+        self.added = array("d")  # --probe: per token, SSE read − NATS read (s)
+        # --probe: read times of each stream's delta frames from NATS, by request id (bytes).
+        self.nats_seen: dict[bytes, list[float]] = {}
         self.held: list[int] = []
+        self.probing = False
         self.started = 0  # slots that have sent their first request
         self.first_done = 0  # slots whose first request has ended
         self.streams = 0
@@ -133,6 +144,12 @@ class ClientState:
         if self.recording and not self.stop:
             self.errors[what] += 1
 
+    def match(self, rid: bytes, sse: list[float]) -> None:
+        """--probe: a request ended; its content chunks' read times against its frames'."""
+        seen = self.nats_seen.pop(rid, None)
+        if seen is not None and self.recording:
+            self.added.extend(b - a for a, b in zip(seen, sse, strict=False))
+
     def chunk(self, now: float, last: float, t0: float) -> None:
         """A content chunk read at ``now`` (the stream's previous one at ``last``, 0: none;
         its request sent at ``t0``): a gap, or the TTFT when it is the first."""
@@ -159,6 +176,7 @@ def chat_body(i: int, max_tokens: int) -> bytes:
 
 
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)")
+_REQUEST_ID = re.compile(rb"x-request-id:\s*(\S+)")
 
 
 async def http_request(
@@ -195,12 +213,20 @@ async def http_request(
     now = perf()
     last = 0.0
     usage = chunks = 0
+    probe = st.probing
+    rid = b""
+    sse: list[float] = []
+    if probe:
+        m = _REQUEST_ID.search(head)
+        rid = m.group(1) if m else b""
     while True:
         pos, n = 0, len(buf)
         while (j := buf.find(b"\r\n", pos)) >= 0:
             size = int(buf[pos:j], 16)
             if size == 0:  # the last chunk: the response is over
                 st.finished(usage, chunks)
+                if probe:
+                    st.match(rid, sse)
                 return keep
             end = j + 2 + size
             if n < end + 2:
@@ -210,6 +236,8 @@ async def http_request(
                     chunks += 1
                     st.chunk(now, last, t0)
                     last = now
+                    if probe:
+                        sse.append(now)
                 elif ev.startswith(b'data: {"error"'):
                     code = "stream_error"
                     with contextlib.suppress(Exception):
@@ -226,6 +254,49 @@ async def http_request(
         if st.recording:
             st.reads += 1
         buf += data
+
+
+async def nats_probe(url: str, subject: str, st: ClientState) -> None:
+    """--probe: every stream frame straight from nats-server, as the gateway gets it. Raw NATS
+    protocol (INFO, CONNECT, SUB, MSG/HMSG, PING/PONG) parsed by hand: nats-py would cost this
+    process tens of µs a frame, which at 10k frames/s would load the machine the bench measures.
+    Records each delta frame's read time under its request id."""
+    host, port = url.split("://", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    await reader.readline()  # INFO {...}
+    writer.write(
+        b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
+        + f"SUB {subject} 1\r\nPING\r\n".encode()
+    )
+    cut = len(subject) - 1  # the subject's request id starts where its ">" stands
+    seen = st.nats_seen
+    perf = time.perf_counter
+    buf = b""
+    while not st.stop:
+        data = await reader.read(1 << 20)
+        if not data:
+            raise ConnectionError("nats-server closed the probe's connection")
+        now = perf()
+        buf += data
+        pos, n = 0, len(buf)
+        while (j := buf.find(b"\r\n", pos)) >= 0:
+            if buf.startswith(b"MSG ", pos) or buf.startswith(b"HMSG ", pos):
+                parts = buf[pos:j].split()
+                end = j + 2 + int(parts[-1])
+                if n < end + 2:
+                    break
+                if buf.find(b'"type":"delta"', j, end) >= 0:
+                    rid = parts[1][cut:]
+                    if (times := seen.get(rid)) is None:
+                        seen[rid] = times = []
+                    times.append(now)
+                pos = end + 2
+            else:
+                if buf.startswith(b"PING", pos):
+                    writer.write(b"PONG\r\n")
+                pos = j + 2
+        buf = buf[pos:]
+    writer.close()
 
 
 async def http_slot(i: int, host: str, port: int, delay: float, m: int, st: ClientState) -> None:
@@ -314,6 +385,10 @@ async def client_main(args: argparse.Namespace) -> None:
     targets = args.targets.split(",")
     ramp = args.ramp
     nats_client = None
+    probe_task = None
+    if args.client == "http" and args.probe_nats:
+        st.probing = True
+        probe_task = asyncio.create_task(nats_probe(args.probe_nats, args.probe_subject, st))
     if args.client == "http":
         hosts = [t.removeprefix("http://").rsplit(":", 1) for t in targets]
         tasks = [
@@ -361,7 +436,7 @@ async def client_main(args: argparse.Namespace) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.to_thread(sys.stdin.readline), 60)
     st.stop = True
-    for t in tasks:
+    for t in [*tasks, *([probe_task] if probe_task else [])]:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     if nats_client is not None:
@@ -390,6 +465,10 @@ async def client_main(args: argparse.Namespace) -> None:
         "req_per_s": st.requests / took,
         "ttft_ms": [(pct(st.ttft, q) or 0) * ms for q in (0.5, 0.99)],
         "gap_ms": [(pct(st.gaps, q) or 0) * ms for q in (0.5, 0.99)],
+        "added_ms": [(pct(st.added, q) or 0) * ms for q in (0.5, 0.99, 0.999)]
+        if st.added
+        else None,
+        "added_n": len(st.added),
         "errors": dict(st.errors),
         "client_cpu_pct": 100 * cpu / took,
     }
@@ -562,6 +641,7 @@ def run_point(
     fleet: Any,
     gw_urls: list[str],
     log_dir: Path,
+    nats_url: str,
 ) -> dict[str, Any]:
     import psutil
 
@@ -572,6 +652,12 @@ def run_point(
         "--warmup", str(args.warmup), "--ramp", str(args.ramp),
         "--first-wave-max", str(args.first_wave_max),
     ]  # fmt: skip
+    if args.probe and kind == "http":
+        from libs.protocol import Subjects
+        from libs.settings import Settings
+
+        cmd += ["--probe-nats", nats_url, "--probe-subject",
+                Subjects(Settings().nats.subject_prefix).stream(">")]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     err = open(log_dir / f"client-{kind}-{len(targets)}-{streams}.log", "wb")
     client = subprocess.Popen(
@@ -670,6 +756,20 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     http = [r for r in rows if r["kind"] == "http"]
     if not http:
         return
+    probed = [r for r in http if r.get("added_ms")]
+    if probed:
+        print(
+            "\nWhat the gateway adds per token (--probe: SSE chunk read − the same frame read "
+            "from nats-server, in the client):\n"
+        )
+        print("| gateways | streams | tokens/s | tokens matched | added p50 / p99 / p99.9 ms |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for r in probed:
+            a = r["added_ms"]
+            print(
+                f"| {r['gateways']} | {r['streams']} | {r['tokens_per_s']:.0f} | {r['added_n']} "
+                f"| {a[0]:.2f} / {a[1]:.2f} / {a[2]:.2f} |"
+            )
     print("\nThe gateways' own /metrics over the same window (histogram quantiles, bucketed):\n")
     print(
         "| gateways | streams | gateway | output tokens/s | requests by status "
@@ -706,13 +806,15 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                 try:
                     for s in args.streams:
                         print(f"HTTP: {g} gateway(s), {s} streams ...", file=sys.stderr)
-                        r = run_point("http", urls, s, args, fleet, urls, fleet_dir)
+                        r = run_point("http", urls, s, args, fleet, urls, fleet_dir, nats_url)
                         rows.append(r | {"gateways": g})
                         print(json.dumps(rows[-1]), file=sys.stderr)
                     if n == 0 and not args.no_nats:
                         for s in args.streams:
                             print(f"NATS: {s} streams ...", file=sys.stderr)
-                            r = run_point("nats", [nats_url], s, args, fleet, urls, fleet_dir)
+                            r = run_point(
+                                "nats", [nats_url], s, args, fleet, urls, fleet_dir, nats_url
+                            )
                             rows.append(r | {"gateways": 0})
                             print(json.dumps(rows[-1]), file=sys.stderr)
                 except BaseException:
@@ -745,11 +847,18 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=float, default=3.0, help="then this many seconds more, unmeasured"
     )
     p.add_argument("--no-nats", action="store_true", help="skip the NATS-path rows")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure what the gateway adds per token (a raw NATS subscriber in the client)",
+    )
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--logs", default="", help="keep the processes' logs in this directory")
     # The load client's own role (started by the benchmark itself).
     p.add_argument("--client", choices=["http", "nats"], help=argparse.SUPPRESS)
     p.add_argument("--targets", default="", help=argparse.SUPPRESS)
+    p.add_argument("--probe-nats", default="", help=argparse.SUPPRESS)
+    p.add_argument("--probe-subject", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         asyncio.run(client_main(args))

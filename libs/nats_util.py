@@ -33,7 +33,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 
 from libs.log import fields
 from libs.protocol import (
@@ -207,6 +207,40 @@ async def publish_msg(
     await nc.publish(subject, encode(msg), reply=reply, headers=inject_headers(headers))
 
 
+# The JetStream header that makes a stream keep one copy of a message published more than once.
+DEDUPE_HEADER = "Nats-Msg-Id"
+# Seconds between publish attempts that found no stream (a restarted server recovering it).
+PUBLISH_RETRY_PAUSE_S = 0.5
+
+
+async def publish_acked(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    msg_id: str,
+    timeout_s: float,
+    attempts: int,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """JetStream publish of one message under ``msg_id`` (``Nats-Msg-Id``: the stream stores
+    it once however often it is sent), again on a missing ack (late, or lost while the
+    server restarted) and on no responders (a restarted server's stream not back yet), at most
+    ``attempts`` times. The gateway (requests, usage), the workers (usage) and the client
+    library (requests, usage) publish this way; the last error is raised."""
+    hdrs = {**(headers or {}), DEDUPE_HEADER: msg_id}
+    for attempt in range(1, attempts + 1):
+        try:
+            await js.publish(subject, data, headers=hdrs, timeout=timeout_s)
+            return
+        except TimeoutError:
+            if attempt == attempts:
+                raise
+        except NoStreamResponseError:
+            if attempt == attempts:
+                raise
+            await asyncio.sleep(PUBLISH_RETRY_PAUSE_S)
+
+
 async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: float) -> Msg:
     return await nc.request(subject, encode(msg), timeout=timeout, headers=inject_headers())
 
@@ -265,8 +299,12 @@ class StreamReader:
         self._reconnects = 0
         # Where to ask the stream's writer for missing messages ("" = never ask).
         self._resend_subject = resend_subject
-        # (payload, the connection's reconnect count when it arrived)
-        self._queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue(maxsize=max_pending)
+        # (payload, the connection's reconnect count when it arrived), at most max_pending.
+        # A deque and one future per wait, not asyncio.Queue + wait_for: a gateway pays this
+        # once per streamed token (wait_for costs a task per call).
+        self._buf: deque[tuple[bytes, int]] = deque()
+        self._max_pending = max_pending
+        self._waiter: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
         self.stats = StreamStats()
         self.overflowed = False
@@ -275,13 +313,16 @@ class StreamReader:
         stats = self._nc.stats
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                self._queue.put_nowait((msg.data, stats["reconnects"]))
-            except asyncio.QueueFull:
+            if len(self._buf) >= self._max_pending:
                 # A dropped message is a gap: report it once and fail the read, never truncate.
                 if not self.overflowed:
                     log.warning("stream reader queue full", extra=fields(subject=self.subject))
                 self.overflowed = True
+            else:
+                self._buf.append((msg.data, stats["reconnects"]))
+            w = self._waiter
+            if w is not None and not w.done():
+                w.set_result(None)
 
         self._reconnects = self._nc.stats["reconnects"]
         self._sub = await self._nc.subscribe(self.subject, cb=on_msg)
@@ -300,7 +341,7 @@ class StreamReader:
     @property
     def pending(self) -> int:
         """Messages received and not yet taken by :meth:`messages`."""
-        return self._queue.qsize()
+        return len(self._buf)
 
     def _reconnected(self) -> bool:
         """The connection reconnected since this reader subscribed: messages published while
@@ -322,10 +363,15 @@ class StreamReader:
             now = time.monotonic()
             gap = bool(held) or (expected > 1 and self._reconnected())
             slice_s = RESEND_AFTER_S if gap else self._gap_timeout
+            if self._buf:
+                return self._buf.popleft()
+            if self.overflowed:
+                raise StreamGap(expected, -1)
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
-                return await asyncio.wait_for(
-                    self._queue.get(), timeout=max(min(deadline - now, slice_s), 0.0)
-                )
+                async with asyncio.timeout(max(min(deadline - now, slice_s), 0.0)):
+                    await self._waiter
+                continue
             except TimeoutError:
                 now = time.monotonic()
                 if gap:
@@ -357,12 +403,11 @@ class StreamReader:
         while True:
             if self.overflowed:
                 raise StreamGap(expected, -1)
-            # A message already queued is taken at once: wait_for costs a task per call, and a
-            # gateway streaming thousands of tokens a second pays it once per token.
-            if self._queue.empty():
-                data, era = await self._wait(timeout, expected, held)
+            # A message already queued is taken at once.
+            if self._buf:
+                data, era = self._buf.popleft()
             else:
-                data, era = self._queue.get_nowait()
+                data, era = await self._wait(timeout, expected, held)
             if era != self._reconnects:
                 # The stream flows again after a reconnect: a loss now shows as a seq gap.
                 self._reconnects = era

@@ -10,11 +10,13 @@ process when the supervisor (``strait up``) that started it is gone.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -23,6 +25,7 @@ from libs.settings import Settings
 from libs.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("strait.runtime")
+T = TypeVar("T")
 
 # Seconds between checks that the supervisor which started us is still alive.
 PARENT_WATCH_INTERVAL_S = 1.0
@@ -35,6 +38,12 @@ class ServiceContext:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Replaced by the body once it can take work (answers /ready); not ready while loading.
     ready: Callable[[], bool] = lambda: False
+
+    def serving(self, ready: Callable[[], bool]) -> None:
+        """Called by the body once its start-up is done: ``/ready`` answers ``ready()`` from
+        now on, and the start-up heap is settled (``settle_heap``)."""
+        self.ready = ready
+        settle_heap(self.settings)
 
 
 async def _serve_http(ctx: ServiceContext, host: str, port: int) -> asyncio.Server:
@@ -82,6 +91,27 @@ async def _watch_parent(ctx: ServiceContext) -> None:
             ctx.stopping.set()
 
 
+def run_loop(main: Coroutine[Any, Any, T], settings: Settings) -> T:
+    """Run a service process's main coroutine to its end on ``settings.event_loop``
+    (``run_service`` and the gateway's entry call it, once per process)."""
+    if settings.runtime.event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def settle_heap(settings: Settings) -> None:
+    """Called once by each service when its start-up is done, before it takes work: with
+    ``runtime.gc_freeze``, collect, then freeze what is alive (``gc.freeze``). Without it, a
+    gateway holding a thousand streams paused 100–260 ms in each full collection, scanning
+    the imported libraries' objects again and again."""
+    if settings.runtime.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        log.debug("heap frozen", extra=fields(objects=gc.get_freeze_count()))
+
+
 def run_service(
     name: str,
     body: Callable[[ServiceContext], Awaitable[None]],
@@ -117,6 +147,6 @@ def run_service(
             log.info("service stopped", extra=fields(service=name))
 
     try:
-        return asyncio.run(main())
+        return run_loop(main(), settings)
     finally:
         shutdown_tracing()

@@ -89,6 +89,8 @@ class GatewaySettings(BaseModel):
     idle_timeout_s: float = 60.0
     retry_after_s: int = 1
     auth_enabled: bool = True
+    # uvicorn's HTTP/1.1 parser: "httptools" (C, llhttp) or "h11" (pure Python).
+    http_parser: Literal["httptools", "h11"] = "httptools"
     open_metrics: bool = False
     open_models: bool = False
     # Per-key defaults; a key may carry its own.
@@ -245,6 +247,8 @@ class WorkerSettings(BaseModel):
     # own later event for the same request id replaces it (the ledger keeps the latest).
     report_usage: bool = True
     usage_publish_timeout_s: float = 5.0
+    # Times a usage event is published (one Nats-Msg-Id) before it is given up with a warning.
+    usage_publish_attempts: int = Field(default=3, ge=1)
     # Stream messages each stream keeps for readers that lost some (ResendRequest), and how
     # long after the stream ends; 0: no resends.
     resend_window: int = 256
@@ -397,6 +401,18 @@ class FakeEngineSettings(BaseModel):
     max_model_len: int = 4096
 
 
+class RuntimeSettings(BaseModel):
+    """How each service process runs (gateway, router, workers, cache): what a streamed token
+    costs them, docs/performance.md#gateway-under-load-fake-engine."""
+
+    # "uvloop" (libuv) or "asyncio" (the standard library's loop).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    # Once started (modules imported, connections open, model loaded), move every live object
+    # out of the cyclic collector's reach (gc.freeze): its full collections then scan only
+    # what serving allocated, not the libraries' start-up heap.
+    gc_freeze: bool = True
+
+
 class ModelsSettings(BaseModel):
     # Where converted models live; ignored by git.
     dir: str = ".strait/models"
@@ -443,6 +459,7 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     teams: TeamsSettings = Field(default_factory=TeamsSettings)
     pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     state_dir: str = Field(
         default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
     )

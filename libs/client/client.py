@@ -42,7 +42,14 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
-from libs.nats_util import StreamGap, StreamReader, auth_options, server_urls
+from libs.nats_util import (
+    DEDUPE_HEADER,
+    StreamGap,
+    StreamReader,
+    auth_options,
+    publish_acked,
+    server_urls,
+)
 from libs.protocol import (
     CancelRequest,
     ChatMessage,
@@ -175,6 +182,8 @@ class StraitClient:
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        publish_ack_timeout_s: float = 5.0,
+        publish_attempts: int = 3,
     ) -> None:
         if nc is None:  # the nats CLI's variable, then the local default
             nc = os.environ.get("NATS_URL") or DEFAULT_URL
@@ -194,6 +203,10 @@ class StraitClient:
         self.tls_key_file = env("NATS_KEY", "") if tls_key_file is None else tls_key_file
         self.report_usage = not self.nkey_seed_file if report_usage is None else report_usage
         self.name = name
+        # A request or usage event is published up to publish_attempts times under one
+        # Nats-Msg-Id (stored once) when its ack does not come within publish_ack_timeout_s.
+        self.publish_ack_timeout_s = publish_ack_timeout_s
+        self.publish_attempts = publish_attempts
 
     @classmethod
     def from_settings(cls, settings: Any, nc: NATS | None = None, **kwargs: Any) -> StraitClient:
@@ -438,7 +451,8 @@ class Generation:
         c = self.client
         data = self._payload if self._payload is not None else encode(self.request)
         headers = inject_headers()
-        size, limit = len(data) + _headers_size(headers), c.payload_limit()
+        size = len(data) + _headers_size({**headers, DEDUPE_HEADER: self.request_id})
+        limit = c.payload_limit()
         if size > limit:
             raise PayloadTooLarge(
                 f"request is {size} bytes; the limit is {limit} bytes (the NATS server's "
@@ -458,7 +472,15 @@ class Generation:
         self._reader = reader
         self._started_at = time.perf_counter()
         try:
-            await c.nc.jetstream().publish(c.subjects.requests, data, headers=headers, timeout=5.0)
+            await publish_acked(
+                c.nc.jetstream(),
+                c.subjects.requests,
+                data,
+                self.request_id,
+                c.publish_ack_timeout_s,
+                c.publish_attempts,
+                headers=headers,
+            )
         except MaxPayloadError as e:
             await self._close_reader()
             raise PayloadTooLarge(str(e), request_id=self.request_id, param="prompt") from None
@@ -576,7 +598,14 @@ class Generation:
         )
         c = self.client
         try:
-            await c.nc.jetstream().publish(c.subjects.event("usage"), encode(ev), timeout=2.0)
+            await publish_acked(
+                c.nc.jetstream(),
+                c.subjects.event("usage"),
+                encode(ev),
+                f"usage-{self.request_id}",
+                c.publish_ack_timeout_s,
+                c.publish_attempts,
+            )
         except Exception as e:
             log.warning(
                 "usage event publish failed",

@@ -32,7 +32,7 @@ async def serve(ctx: ServiceContext) -> None:
     REGISTRY.register(collector)
     try:
         await service.start()
-        ctx.ready = lambda: nc.is_connected
+        ctx.serving(lambda: nc.is_connected)
         log.info(
             "cache ready",
             extra=fields(

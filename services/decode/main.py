@@ -68,7 +68,7 @@ async def run_worker(
 ) -> None:
     """Serve ``work.<id>`` and ``cancel.>`` (plus the role's own ``subs`` and ``tasks``) and
     beat until SIGTERM; then drain running requests and close. The decode and prefill mains."""
-    ctx.ready = lambda: nc.is_connected and not worker.draining
+    ctx.serving(lambda: nc.is_connected and not worker.draining)
 
     async def on_drain(msg: Msg) -> None:
         try:

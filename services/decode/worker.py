@@ -25,7 +25,7 @@ from opentelemetry.context import Context
 
 from libs.backend import Backend, BackendError, GenerationChunk, Resume
 from libs.log import fields
-from libs.nats_util import StreamTaken, StreamWriter, publish_msg
+from libs.nats_util import StreamTaken, StreamWriter, publish_acked, publish_msg
 from libs.protocol import (
     Assignment,
     AssignmentAck,
@@ -304,12 +304,15 @@ class Worker:
 
     async def _publish_usage(self, ev: UsageEvent) -> None:
         """The ledger's row from this side (JetStream; deduplicated by its own message id)."""
+        w = self.settings.worker
         try:
-            await self.nc.jetstream().publish(
+            await publish_acked(
+                self.nc.jetstream(),
                 self.subjects.worker_usage,
                 encode(ev),
-                timeout=self.settings.worker.usage_publish_timeout_s,
-                headers={"Nats-Msg-Id": f"usage-worker-{ev.request_id}"},
+                f"usage-worker-{ev.request_id}",
+                w.usage_publish_timeout_s,
+                w.usage_publish_attempts,
             )
         except Exception as e:  # the gateway's event may still carry it; never fail a stream
             log.warning(

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
 from libs.protocol import GenerateRequest, SamplingParams, UsageEvent
+from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
@@ -96,6 +97,7 @@ def create_app(
                 ledger = LedgerWriter(settings, fleet.js, db)
                 await ledger.start()
             app.state.ledger = ledger
+            settle_heap(settings)
             yield
         finally:
             if ledger is not None:

@@ -8,13 +8,14 @@ the JetStream requests stream, hand back a reader. ``cancel`` tells workers to f
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from libs.log import fields
-from libs.nats_util import StreamReader, connect, provision
+from libs.nats_util import DEDUPE_HEADER, StreamReader, connect, provision, publish_acked
 from libs.protocol import (
     CancelRequest,
     GenerateRequest,
@@ -43,7 +44,6 @@ class FleetUnavailable(Exception):
 
 
 # JetStream drops a message whose id it stored within the stream's duplicate window.
-DEDUPE_HEADER = "Nats-Msg-Id"
 
 
 class RequestTooLarge(Exception):
@@ -116,25 +116,21 @@ class Fleet:
                 f"{self.nc.max_payload} (NATS max_payload)"
             )
         try:
-            await self._publish_acked(self.subjects.requests, data, headers)
+            await self._publish_acked(
+                self.subjects.requests, data, req.request_id, headers=inject_headers()
+            )
         except Exception as e:
             raise FleetUnavailable(f"could not queue the request: {e!r}") from e
 
-    async def _publish_acked(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        """JetStream publish, again on a late ack (the same Nats-Msg-Id: stored once). A busy
-        event loop can read an ack seconds late; that is not a lost message (bench/
-        gateway_load.py saw false 503s at 2000 streams with one 2 s attempt)."""
+    async def _publish_acked(self, subject: str, data: bytes, msg_id: str, **kw: Any) -> None:
+        """``publish_acked`` with the gateway's timeout and attempts. A busy event loop can
+        read an ack seconds late; that is not a lost message (bench/gateway_load.py saw false
+        503s at 2000 streams with one 2 s attempt)."""
         assert self.js is not None
         g = self.settings.gateway
-        for attempt in range(1, g.publish_attempts + 1):
-            try:
-                await self.js.publish(
-                    subject, data, headers=headers, timeout=g.publish_ack_timeout_s
-                )
-                return
-            except TimeoutError:
-                if attempt == g.publish_attempts:
-                    raise
+        await publish_acked(
+            self.js, subject, data, msg_id, g.publish_ack_timeout_s, g.publish_attempts, **kw
+        )
 
     async def cancel(self, request_id: str, reason: str) -> None:
         if self.nc is None or not self.connected:
@@ -152,8 +148,9 @@ class Fleet:
         if self.js is None:
             return
         try:
-            headers = {DEDUPE_HEADER: f"usage-{ev.request_id}"}
-            await self._publish_acked(self.subjects.event("usage"), encode(ev), headers)
+            await self._publish_acked(
+                self.subjects.event("usage"), encode(ev), f"usage-{ev.request_id}"
+            )
         except Exception as e:
             log.error(
                 "usage event publish failed", extra=fields(request_id=ev.request_id, error=repr(e))

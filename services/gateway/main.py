@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import uvicorn
 from fastapi import FastAPI
 
 from libs.log import setup_logging
+from libs.runtime import run_loop
 from libs.settings import Settings, get_settings
 from libs.telemetry import setup_tracing, shutdown_tracing
 from services.gateway.app import create_app
@@ -31,9 +30,10 @@ def main(settings: Settings | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=10,
         lifespan="on",
+        http=settings.gateway.http_parser,
     )
     try:
-        asyncio.run(uvicorn.Server(config).serve())
+        run_loop(uvicorn.Server(config).serve(), settings)
     finally:
         shutdown_tracing()
     return 0

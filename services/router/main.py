@@ -122,7 +122,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     await nc.subscribe(subjects.kv_events_all, cb=on_kv)
     await nc.subscribe(subjects.teams_changed, cb=on_teams_changed)
     psub = await js.pull_subscribe_bind(ROUTER_DURABLE, s.nats.requests_stream)
-    ctx.ready = lambda: nc.is_connected
+    ctx.serving(lambda: nc.is_connected)
     slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
     inflight: set[asyncio.Task[None]] = set()
 

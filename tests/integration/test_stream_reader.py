@@ -127,3 +127,43 @@ async def test_once_a_stream_flows_again_after_a_reconnect_silence_is_not_a_gap(
         assert (await anext(messages)).seq == 3
         await task
     await nc.close()
+
+
+async def test_messages_past_max_pending_end_the_read_with_a_gap_not_a_truncation(
+    nats_url: str,
+) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.full", 5, 5, max_pending=2) as reader:
+        for seq in (1, 2, 3):
+            await nc.publish("sr.full", delta(seq, str(seq)))
+        await nc.publish("sr.full", encode(Finished(seq=4, request_id="r", usage=Usage())))
+        await nc.flush()
+        await asyncio.sleep(0.1)  # all four delivered before the first read
+        with pytest.raises(StreamGap):
+            _ = [m async for m in reader.messages()]
+    assert reader.overflowed
+    await nc.close()
+
+
+async def test_a_waiting_reader_wakes_for_each_message_and_times_out_on_silence(
+    nats_url: str,
+) -> None:
+    nc = await nats.connect(nats_url)
+    async with StreamReader(nc, "sr.wake", 5, 0.3) as reader:
+
+        async def publish() -> None:
+            for seq in (1, 2):
+                await asyncio.sleep(0.05)  # the reader is waiting when each one comes
+                await nc.publish("sr.wake", delta(seq, str(seq)))
+
+        task = asyncio.create_task(publish())
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async for m in reader.messages():
+                got.append(m)
+        await task
+    # Both delivered as they came, then 0.3 s of silence is the idle timeout.
+    assert [m.seq for m in got] == [1, 2]
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    await nc.close()
