@@ -132,10 +132,10 @@ class SpeculativeSettings(BaseModel):
     # No proposals in a step where more sequences than this decode (a hard cap; under it,
     # `adaptive` weighs each sequence's acceptance against the measured cost of a proposal).
     disable_by_batch_size: int = Field(default=32, ge=0)
-    # Per sequence: the depth follows the acceptance rate (an EMA with this weight on the newest
-    # step), down to 0, and is 0 while the rate is below the break-even rate the engine fits
-    # from its own decode steps' times (docs/speculation.md); a sequence at 0 tries one token
-    # again after `adaptive_probe_steps`.
+    # Per sequence, a keep rate (an EMA with this weight on the newest verification) and the
+    # engine's own decode step times (a + b x rows) decide how many proposals run: those that
+    # lift the batch's expected tokens per second (docs/speculation.md, "Adaptive depth"); a
+    # sequence at 0 tries one token again after `adaptive_probe_steps`.
     adaptive: bool = True
     adaptive_weight: float = Field(default=0.5, gt=0.0, le=1.0)
     adaptive_probe_steps: int = Field(default=16, ge=1)

@@ -16,6 +16,7 @@ outputs) and ``draft`` (:mod:`.draft`, a smaller model with the same vocabulary)
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -174,42 +175,95 @@ class Speculator:
         # Acceptance rate over the worker's recent verifications (EMA): a new sequence's prior.
         self.rate = 1.0
 
-    def depth(self, seq: Sequence, break_even: float = 0.0) -> int:
-        """How many tokens ``seq`` may have proposed this step (0: none); ``break_even``: the
-        acceptance rate below which proposals cost more than they save (adaptive only)."""
-        s = self.settings
-        k = s.num_speculative_tokens
+    def ceiling(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` may have proposed this step: the pool's depth, the request's
+        cap, and never past ``max_tokens`` or the context (the last verified token ends the
+        output anyway)."""
+        k = self.settings.num_speculative_tokens
         cap = seq.sampling.num_speculative_tokens
         if cap is not None:
             k = min(k, cap)
-        if k and s.adaptive:
-            rate = self.rate if seq.spec_rate is None else seq.spec_rate
-            k = round(k * rate) if rate >= break_even else 0
-            if k == 0:
-                seq.spec_idle += 1
-                if seq.spec_idle < s.adaptive_probe_steps:
-                    return 0
-                k = 1  # probe: has the sequence turned predictable again?
-        # Never past max_tokens or the context: the last verified token ends the output anyway.
         room = min(
             seq.sampling.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
         )
         return max(0, min(k, room - 1))
 
+    def keep_rate(self, seq: Sequence) -> float:
+        """The chance that ``seq``'s next proposed token is kept (its EMA; the worker's recent
+        one before it has its own)."""
+        return self.rate if seq.spec_rate is None else seq.spec_rate
+
+    def idle(self, seq: Sequence, k: int) -> int:
+        """``k``, or after ``adaptive_probe_steps`` steps at 0 one token: has the sequence
+        turned predictable again?"""
+        if k:
+            return k
+        seq.spec_idle += 1
+        return 0 if seq.spec_idle < self.settings.adaptive_probe_steps else 1
+
+    def depth(self, seq: Sequence, break_even: float = 0.0) -> int:
+        """Before the step cost is fitted (or without ``adaptive``): the ceiling, scaled by the
+        keep rate, and 0 while that rate is below ``break_even`` (adaptive only)."""
+        k = self.ceiling(seq)
+        if k and self.settings.adaptive:
+            rate = self.keep_rate(seq)
+            k = self.idle(seq, min(k, round(k * rate)) if rate >= break_even else 0)
+        return k
+
+    def allocate(
+        self, decoding: Seq[Sequence], offered: list[list[int]], a: float, b: float
+    ) -> list[int]:
+        """How many of its ``offered`` proposals each decoding sequence runs, with the step
+        costing ``a + b * rows`` seconds: the batch's expected tokens per second, greedily.
+        Proposal ``j`` of a sequence that keeps each token with chance ``p`` is worth
+        ``p ** j`` tokens (it counts only if the ``j - 1`` before it were kept) and costs ``b``;
+        it runs while it lifts tokens / time, i.e. while ``p ** j * time > b * tokens``, best
+        first. One stream keeping 90% runs 7 (a = 5 ms, b = 1.25 ms); 32 streams keeping 77%
+        run none."""
+        a = max(a, 0.0)
+        tokens, time = float(len(decoding)), a + b * len(decoding)
+        heap: list[tuple[float, int, int, float]] = []  # (-gain, sequence, j, p)
+        for i, seq in enumerate(decoding):
+            if offered[i]:
+                p = self.keep_rate(seq)
+                heap.append((-p, i, 1, p))
+        heapq.heapify(heap)
+        depth = [0] * len(decoding)
+        while heap and -heap[0][0] * time > b * tokens:
+            neg, i, j, p = heapq.heappop(heap)
+            depth[i] = j
+            tokens, time = tokens - neg, time + b
+            if j < len(offered[i]):
+                heapq.heappush(heap, (neg * p, i, j + 1, p))
+        return depth
+
     def propose(self, running: Seq[Sequence]) -> None:
-        """Set ``spec_tokens`` of every running sequence for the coming step."""
+        """Set ``spec_tokens`` of every running sequence for the coming step. Once the step
+        cost is fitted, each sequence's proposals are asked for up to its ceiling and kept
+        as far as ``allocate`` finds them worth their rows."""
         decoding = [s for s in running if not s.is_prefilling]
         for seq in running:
             seq.spec_tokens = []
         if len(decoding) > self.settings.disable_by_batch_size:
             return
-        need = self.cost.break_even(len(decoding))
-        for seq in decoding:
-            if self.prediction_only and not seq.prediction:
-                continue
-            k = self.depth(seq, need)
-            if k:
-                seq.spec_tokens = self.proposer.propose(seq, k)
+        # Where the pool has speculation off, only sequences with a predicted output propose.
+        proposing = [not self.prediction_only or bool(s.prediction) for s in decoding]
+        fit = self.cost.fit() if self.settings.adaptive else None
+        if fit is None or fit[1] <= 0:
+            need = self.cost.break_even(len(decoding))
+            for seq, on in zip(decoding, proposing, strict=True):
+                k = self.depth(seq, need) if on else 0
+                if k:
+                    seq.spec_tokens = self.proposer.propose(seq, k)
+            return
+        offered = []
+        for seq, on in zip(decoding, proposing, strict=True):
+            k = self.ceiling(seq) if on else 0
+            offered.append(self.proposer.propose(seq, k) if k else [])
+        for seq, k, tokens in zip(
+            decoding, self.allocate(decoding, offered, *fit), offered, strict=True
+        ):
+            seq.spec_tokens = tokens[: self.idle(seq, k)]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """One verification of ``seq``: ``accepted`` of its ``proposed`` tokens were kept."""
@@ -220,10 +274,12 @@ class Speculator:
         self._proposed.inc(proposed)
         self._accepted.inc(accepted)
         self._length.observe(accepted)
+        # Each proposed token is kept only if every one before it was: ``accepted`` kept
+        # tokens and one rejection (none when all were kept) estimate the chance of keeping one.
+        kept = accepted / (accepted + (accepted < proposed))
         w = self.settings.adaptive_weight
-        prior = self.rate if seq.spec_rate is None else seq.spec_rate
-        seq.spec_rate = (1 - w) * prior + w * accepted / proposed
-        self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * accepted / proposed
+        seq.spec_rate = (1 - w) * self.keep_rate(seq) + w * kept
+        self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * kept
         seq.spec_idle = 0
 
     def finished(self, seq: Sequence) -> None:

@@ -608,3 +608,58 @@ def test_handoff_and_migration_with_proposals_equal_one_engine(migrated: bool) -
         expected = whole.token_ids[kept:] if migrated else whole.token_ids
         assert after.token_ids == expected
         assert decode.speculator is not None and decode.speculator.num_accepted > 0
+
+
+def test_a_verification_estimates_the_chance_of_keeping_each_proposed_token() -> None:
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", adaptive_weight=1.0), 64)
+    seq = make_seq(out=1)
+    sp.record(seq, 4, 2)  # kept, kept, rejected: 2 of 3 tried
+    assert seq.spec_rate is not None and math.isclose(seq.spec_rate, 2 / 3)
+    sp.record(seq, 4, 4)  # all kept: no rejection seen
+    assert seq.spec_rate == 1.0
+    sp.record(seq, 3, 0)
+    assert seq.spec_rate == 0.0
+
+
+def test_allocation_runs_proposals_while_they_lift_the_batchs_tokens_per_second() -> None:
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=16), 256)
+    a, b = 0.005, 0.00125  # a step of 5 ms plus 1.25 ms a row
+
+    def seqs(rates: list[float]) -> list[Sequence]:
+        out = []
+        for r in rates:
+            s = make_seq(out=1)
+            s.spec_rate = r
+            out.append(s)
+        return out
+
+    # One stream keeping 90%: proposal j is worth 0.9 ** j tokens for 1.25 ms; the 8th
+    # (0.43 tokens) no longer beats the 5.7 tokens / 15 ms the first seven reach.
+    assert sp.allocate(seqs([0.9]), [[1] * 16], a, b) == [7]
+    assert sp.allocate(seqs([0.9]), [[1] * 3], a, b) == [3]  # no more than were offered
+    assert sp.allocate(seqs([0.45]), [[1] * 16], a, b) == [1]
+    # 32 streams at 77%: the batch already yields 32 tokens / 45 ms; a 0.77-token row does not.
+    assert sp.allocate(seqs([0.77] * 32), [[1] * 16] * 32, a, b) == [0] * 32
+    # Two streams: the predictable one gets the rows, the other (nothing offered) none.
+    assert sp.allocate(seqs([0.95, 0.95]), [[1] * 16, []], a, b)[1] == 0
+    # A free row (b = 0 is never fitted as such; tiny b) runs everything offered.
+    assert sp.allocate(seqs([0.6]), [[1] * 5], a, 1e-9) == [5]
+
+
+def test_once_the_step_cost_is_fitted_proposals_are_cut_to_the_allocation() -> None:
+    from libs.engine.spec import STEP_COST_MIN_STEPS
+
+    sp = ngram_speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=8), 256)
+    for i in range(STEP_COST_MIN_STEPS):
+        rows = 1 + i % 8
+        sp.observe_step(rows, 0.005 + 0.00125 * rows)
+    seq = Sequence(
+        "r", 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3], 12, SamplingParams(max_tokens=64)
+    )
+    seq.num_computed_tokens = seq.num_tokens - 1  # decoding
+    seq.spec_rate = 0.45
+    sp.propose([seq])
+    assert seq.spec_tokens == [4]  # the prompt offers 4..12; at 45% one is worth its row
+    seq.spec_rate = 0.95
+    sp.propose([seq])
+    assert seq.spec_tokens == [4, 5, 6, 7, 8, 9, 10, 11]  # all eight offered
