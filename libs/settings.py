@@ -405,8 +405,11 @@ class RuntimeSettings(BaseModel):
     """How each service process runs (gateway, router, workers, cache): what a streamed token
     costs them, docs/performance.md#gateway-under-load-fake-engine."""
 
-    # "uvloop" (libuv) or "asyncio" (the standard library's loop).
-    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    # "asyncio" (the standard library's loop) or "uvloop" (libuv): uvloop streams more tokens a
+    # second through one gateway, but accepts one connection per loop iteration, so a busy
+    # gateway hit by thousands of new connections at once leaves some waiting a minute
+    # (decision 0015).
+    event_loop: Literal["uvloop", "asyncio"] = "asyncio"
     # Once started (modules imported, connections open, model loaded), move every live object
     # out of the cyclic collector's reach (gc.freeze): its full collections then scan only
     # what serving allocated, not the libraries' start-up heap.

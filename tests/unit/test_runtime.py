@@ -20,10 +20,10 @@ async def loop_type() -> type:
 
 def test_run_loop_runs_on_the_configured_loop() -> None:
     s = Settings()
-    assert s.runtime.event_loop == "uvloop"
-    assert issubclass(run_loop(loop_type(), s), uvloop.Loop)
-    s.runtime.event_loop = "asyncio"
+    assert s.runtime.event_loop == "asyncio"
     assert not issubclass(run_loop(loop_type(), s), uvloop.Loop)
+    s.runtime.event_loop = "uvloop"
+    assert issubclass(run_loop(loop_type(), s), uvloop.Loop)
 
 
 def test_serving_answers_ready_and_freezes_the_start_up_heap_only_when_asked() -> None:
