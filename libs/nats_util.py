@@ -232,13 +232,11 @@ async def publish_acked(
         try:
             await js.publish(subject, data, headers=hdrs, timeout=timeout_s)
             return
-        except TimeoutError:
+        except (TimeoutError, NoStreamResponseError) as e:
             if attempt == attempts:
                 raise
-        except NoStreamResponseError:
-            if attempt == attempts:
-                raise
-            await asyncio.sleep(PUBLISH_RETRY_PAUSE_S)
+            if isinstance(e, NoStreamResponseError):  # a missing ack has waited already
+                await asyncio.sleep(PUBLISH_RETRY_PAUSE_S)
 
 
 async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: float) -> Msg:
@@ -360,13 +358,11 @@ class StreamReader:
         gap_since = 0.0
         asked = False
         while True:
+            if self._buf:
+                return self._buf.popleft()
             now = time.monotonic()
             gap = bool(held) or (expected > 1 and self._reconnected())
             slice_s = RESEND_AFTER_S if gap else self._gap_timeout
-            if self._buf:
-                return self._buf.popleft()
-            if self.overflowed:
-                raise StreamGap(expected, -1)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(max(min(deadline - now, slice_s), 0.0)):

@@ -406,9 +406,8 @@ class RuntimeSettings(BaseModel):
     costs them, docs/performance.md#gateway-under-load-fake-engine."""
 
     # "asyncio" (the standard library's loop) or "uvloop" (libuv): uvloop streams more tokens a
-    # second through one gateway, but accepts one connection per loop iteration, so a busy
-    # gateway hit by thousands of new connections at once leaves some waiting a minute
-    # (decision 0015).
+    # second through one gateway, but a busy gateway on it hit by thousands of new connections
+    # at once left some waiting a minute (decision 0015).
     event_loop: Literal["uvloop", "asyncio"] = "asyncio"
     # Once started (modules imported, connections open, model loaded), move every live object
     # out of the cyclic collector's reach (gc.freeze): its full collections then scan only

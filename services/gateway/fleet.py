@@ -8,7 +8,6 @@ the JetStream requests stream, hand back a reader. ``cancel`` tells workers to f
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -41,9 +40,6 @@ STREAM_BUFFER_MAX = 16 * 4096 + 16
 
 class FleetUnavailable(Exception):
     """The request could not be handed to the fleet (NATS or JetStream down)."""
-
-
-# JetStream drops a message whose id it stored within the stream's duplicate window.
 
 
 class RequestTooLarge(Exception):
@@ -108,28 +104,29 @@ class Fleet:
         if self.js is None or self.nc is None or not self.connected:
             raise FleetUnavailable("not connected to NATS")
         data = encode(req)
-        headers = {**inject_headers(), DEDUPE_HEADER: req.request_id}
-        size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 12
+        trace = inject_headers()
+        sent = {**trace, DEDUPE_HEADER: req.request_id}  # what publish_acked sends
+        size = len(data) + sum(len(k) + len(v) + 4 for k, v in sent.items()) + 12
         if size > self.nc.max_payload:
             raise RequestTooLarge(
                 f"the request is {size} bytes encoded; the fleet's messages hold at most "
                 f"{self.nc.max_payload} (NATS max_payload)"
             )
         try:
-            await self._publish_acked(
-                self.subjects.requests, data, req.request_id, headers=inject_headers()
-            )
+            await self._publish_acked(self.subjects.requests, data, req.request_id, trace)
         except Exception as e:
             raise FleetUnavailable(f"could not queue the request: {e!r}") from e
 
-    async def _publish_acked(self, subject: str, data: bytes, msg_id: str, **kw: Any) -> None:
+    async def _publish_acked(
+        self, subject: str, data: bytes, msg_id: str, headers: dict[str, str] | None = None
+    ) -> None:
         """``publish_acked`` with the gateway's timeout and attempts. A busy event loop can
         read an ack seconds late; that is not a lost message (bench/gateway_load.py saw false
         503s at 2000 streams with one 2 s attempt)."""
         assert self.js is not None
         g = self.settings.gateway
         await publish_acked(
-            self.js, subject, data, msg_id, g.publish_ack_timeout_s, g.publish_attempts, **kw
+            self.js, subject, data, msg_id, g.publish_ack_timeout_s, g.publish_attempts, headers
         )
 
     async def cancel(self, request_id: str, reason: str) -> None:

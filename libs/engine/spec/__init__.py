@@ -207,7 +207,7 @@ class Speculator:
         k = self.ceiling(seq)
         if k and self.settings.adaptive:
             rate = self.keep_rate(seq)
-            k = self.idle(seq, min(k, round(k * rate)) if rate >= break_even else 0)
+            k = self.idle(seq, round(k * rate) if rate >= break_even else 0)
         return k
 
     def allocate(
