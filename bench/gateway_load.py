@@ -268,7 +268,6 @@ async def nats_probe(url: str, subject: str, st: ClientState) -> None:
         b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
         + f"SUB {subject} 1\r\nPING\r\n".encode()
     )
-    cut = len(subject) - 1  # the subject's request id starts where its ">" stands
     seen = st.nats_seen
     perf = time.perf_counter
     buf = b""
@@ -286,7 +285,7 @@ async def nats_probe(url: str, subject: str, st: ClientState) -> None:
                 if n < end + 2:
                     break
                 if buf.find(b'"type":"delta"', j, end) >= 0:
-                    rid = parts[1][cut:]
+                    rid = parts[1].rsplit(b".", 1)[1]  # <prefix>.reply.<gateway>.<rid>
                     if (times := seen.get(rid)) is None:
                         seen[rid] = times = []
                     times.append(now)
@@ -656,8 +655,9 @@ def run_point(
         from libs.protocol import Subjects
         from libs.settings import Settings
 
+        # Every gateway's replies (Subjects.reply_streams): <prefix>.reply.<gateway>.<rid>.
         cmd += ["--probe-nats", nats_url, "--probe-subject",
-                Subjects(Settings().nats.subject_prefix).stream(">")]  # fmt: skip
+                Subjects(Settings().nats.subject_prefix).reply_streams("*")]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     err = open(log_dir / f"client-{kind}-{len(targets)}-{streams}.log", "wb")
     client = subprocess.Popen(

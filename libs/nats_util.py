@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -248,6 +248,9 @@ async def request_msg(nc: NATS, subject: str, msg: msgspec.Struct, timeout: floa
 # and after how long of a gap it asks the writer to resend.
 STREAM_GAP_TIMEOUT_S = 5.0
 RESEND_AFTER_S = 0.5
+# A loop may run a timer up to its clock resolution early (asyncio) or round to whole ms
+# (uvloop); a reader's wait counts as over within this much of its end.
+TIMER_SLACK_S = 0.002
 
 
 class StreamGap(Exception):
@@ -288,7 +291,10 @@ class StreamReader:
         max_pending: int = 4096,
         gap_timeout_s: float = STREAM_GAP_TIMEOUT_S,
         resend_subject: str = "",
+        mux: StreamMux | None = None,
     ) -> None:
+        """``mux``: read ``subject`` through that shared subscription (it must cover
+        ``subject``) instead of subscribing to it alone."""
         self._nc = nc
         self.subject = subject
         self._first_timeout = first_timeout_s
@@ -302,33 +308,51 @@ class StreamReader:
         # once per streamed token (wait_for costs a task per call).
         self._buf: deque[tuple[bytes, int]] = deque()
         self._max_pending = max_pending
-        self._waiter: asyncio.Future[None] | None = None
+        # Set True by a message, False by the timer. The timer is lazy: one armed TimerHandle
+        # per reader, kept while waits end before it (a token stream moves its deadline on
+        # every message); when it fires early it re-arms for ``_wake_at``. A timer per wait
+        # (``asyncio.timeout``) was ~13% of a busy gateway's CPU.
+        self._waiter: asyncio.Future[bool] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._wake_at = 0.0  # loop time at which the current wait gives up its slice
+        self._mux = mux
         self._sub: Subscription | None = None
         self.stats = StreamStats()
         self.overflowed = False
 
+    def deliver(self, data: bytes) -> None:
+        """One message of the stream, as it arrives (the subscription's or the mux's callback)."""
+        if len(self._buf) >= self._max_pending:
+            # A dropped message is a gap: report it once and fail the read, never truncate.
+            if not self.overflowed:
+                log.warning("stream reader queue full", extra=fields(subject=self.subject))
+            self.overflowed = True
+        else:
+            self._buf.append((data, self._nc.stats["reconnects"]))
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
     async def __aenter__(self) -> StreamReader:
-        stats = self._nc.stats
+        self._reconnects = self._nc.stats["reconnects"]
+        if self._mux is not None:
+            self._mux.add(self)  # the mux's subscription is on the server already
+            return self
 
         async def on_msg(msg: Msg) -> None:
-            if len(self._buf) >= self._max_pending:
-                # A dropped message is a gap: report it once and fail the read, never truncate.
-                if not self.overflowed:
-                    log.warning("stream reader queue full", extra=fields(subject=self.subject))
-                self.overflowed = True
-            else:
-                self._buf.append((msg.data, stats["reconnects"]))
-            w = self._waiter
-            if w is not None and not w.done():
-                w.set_result(None)
+            self.deliver(msg.data)
 
-        self._reconnects = self._nc.stats["reconnects"]
         self._sub = await self._nc.subscribe(self.subject, cb=on_msg)
         # Make sure the server knows the subscription before anyone publishes to it.
         await self._nc.flush()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()  # else the loop keeps this reader until it fires
+            self._timer = None
+        if self._mux is not None:
+            self._mux.remove(self)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -354,34 +378,53 @@ class StreamReader:
         have been lost), is a gap: after ``RESEND_AFTER_S`` of it the writer is asked to send
         again from ``expected`` (once per wait), and after ``gap_timeout_s`` it is a
         StreamGap. Waits in slices so a reconnect during a long wait is noticed."""
-        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         gap_since = 0.0
         asked = False
         while True:
             if self._buf:
                 return self._buf.popleft()
-            now = time.monotonic()
+            now = loop.time()
             gap = bool(held) or (expected > 1 and self._reconnected())
             slice_s = RESEND_AFTER_S if gap else self._gap_timeout
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                async with asyncio.timeout(max(min(deadline - now, slice_s), 0.0)):
-                    await self._waiter
+            self._waiter = waiter = loop.create_future()
+            self._arm(loop, now + max(min(deadline - now, slice_s), 0.0))
+            if await waiter:
                 continue
-            except TimeoutError:
-                now = time.monotonic()
-                if gap:
-                    gap_since = gap_since or now - RESEND_AFTER_S
-                    if now - gap_since >= self._gap_timeout:
-                        got = min(held) if held else -1
-                        raise StreamGap(expected, got) from None
-                    if not asked and self._resend_subject:
-                        asked = True
-                        self.stats.resends += 1
-                        await self._ask_resend(expected)
-                    continue
-                if now >= deadline:
-                    raise
+            now = loop.time()
+            if gap:
+                gap_since = gap_since or now - RESEND_AFTER_S
+                if now - gap_since >= self._gap_timeout:
+                    got = min(held) if held else -1
+                    raise StreamGap(expected, got)
+                if not asked and self._resend_subject:
+                    asked = True
+                    self.stats.resends += 1
+                    await self._ask_resend(expected)
+                continue
+            if now >= deadline:
+                raise TimeoutError(f"no stream message on {self.subject} for {timeout:g} s")
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        """Wake the current waiter with False at loop time ``when`` unless a message comes
+        first. A timer already due no later than ``when`` is kept (it re-arms on firing)."""
+        self._wake_at = when
+        t = self._timer
+        if t is None or t.when() > when:
+            if t is not None:
+                t.cancel()
+            self._timer = loop.call_at(when, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # nobody waits: the next wait arms again
+        if loop.time() >= self._wake_at - TIMER_SLACK_S:
+            w.set_result(False)
+        else:
+            self._timer = loop.call_at(self._wake_at, self._on_timer, loop)
 
     async def _ask_resend(self, from_seq: int) -> None:
         rid = self._resend_subject.rsplit(".", 1)[-1]  # resend.<request_id>
@@ -428,6 +471,46 @@ class StreamReader:
                 yield ready
                 if isinstance(ready, Finished | ErrorMessage):
                     return
+
+
+class StreamMux:
+    """One subscription (``wildcard``) that feeds many :class:`StreamReader`: the gateway and
+    the fleet account's ``StraitClient`` read every request they submit through one
+    (``Subjects.reply_streams``). Created and started by
+    the owner of the connection; readers add and remove themselves. A message for a subject
+    no reader holds (a stream's stragglers after its reader left) is dropped."""
+
+    def __init__(self, nc: NATS, wildcard: str) -> None:
+        self._nc = nc
+        self.wildcard = wildcard
+        self._readers: dict[str, StreamReader] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        async def on_msg(msg: Msg) -> None:
+            reader = self._readers.get(msg.subject)
+            if reader is not None:
+                reader.deliver(msg.data)
+
+        self._sub = await self._nc.subscribe(self.wildcard, cb=on_msg)
+        await self._nc.flush()
+
+    def add(self, reader: StreamReader) -> None:
+        self._readers[reader.subject] = reader
+
+    def remove(self, reader: StreamReader) -> None:
+        if self._readers.get(reader.subject) is reader:
+            del self._readers[reader.subject]
+
+    async def stop(self) -> None:
+        """Unsubscribe (for a connection that outlives the mux; closing it does as much)."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):  # the connection is already closed
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    def __len__(self) -> int:
+        return len(self._readers)
 
 
 class StreamTaken(Exception):

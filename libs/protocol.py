@@ -702,6 +702,16 @@ class Subjects:
     def stream(self, request_id: str) -> str:
         return f"{self.prefix}.stream.{request_id}"
 
+    # A process of the fleet's account that reads many streams (a gateway, a StraitClient)
+    # names ``reply.<reader>.<request_id>`` as the ``reply_subject`` of the requests it submits
+    # and reads them all through one subscription to ``reply.<reader>.*`` (no SUB/UNSUB and
+    # server round trip per request, no subscription task per stream).
+    def reply_stream(self, reader: str, request_id: str) -> str:
+        return f"{self.prefix}.reply.{reader}.{request_id}"
+
+    def reply_streams(self, reader: str) -> str:
+        return f"{self.prefix}.reply.{reader}.*"
+
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}.cancel.{request_id}"
 

@@ -413,6 +413,11 @@ class RuntimeSettings(BaseModel):
     # out of the cyclic collector's reach (gc.freeze): its full collections then scan only
     # what serving allocated, not the libraries' start-up heap.
     gc_freeze: bool = True
+    # With gc_freeze, seconds between freezes of what serving allocated since (collections then
+    # scan at most this long's survivors), and between sweeps that thaw and fully collect the
+    # frozen heap (cycles among frozen objects wait this long); 0 = never (libs/runtime.HeapKeeper).
+    gc_freeze_interval_s: float = Field(default=1.0, ge=0)
+    gc_sweep_interval_s: float = Field(default=600.0, ge=0)
 
 
 class ModelsSettings(BaseModel):

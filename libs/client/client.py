@@ -45,6 +45,7 @@ from libs.client.observe import Observer
 from libs.nats_util import (
     DEDUPE_HEADER,
     StreamGap,
+    StreamMux,
     StreamReader,
     auth_options,
     publish_acked,
@@ -164,6 +165,13 @@ class StraitClient:
     to the environment variable the ``nats`` CLI reads: ``NATS_NKEY``, ``NATS_CA``,
     ``NATS_CERT``, ``NATS_KEY``. ``report_usage`` defaults to on without an nkey and off with
     one: a team's account cannot publish usage events; the fleet records its usage itself.
+
+    ``reply_mux`` (default: as ``report_usage``, i.e. on for the fleet's own account): the
+    client names ``<prefix>.reply.<client id>.<request_id>`` as each request's
+    ``reply_subject`` and reads all its streams through one subscription to
+    ``<prefix>.reply.<client id>.*``, instead of one subscription (and a server round trip) per
+    request to ``<prefix>.stream.<request_id>``. Off for a team: the fleet sends a team's
+    tokens to its ``stream.<request_id>`` whatever the request names.
     """
 
     def __init__(
@@ -184,6 +192,7 @@ class StraitClient:
         tls_key_file: str | None = None,
         publish_ack_timeout_s: float = 5.0,
         publish_attempts: int = 3,
+        reply_mux: bool | None = None,
     ) -> None:
         if nc is None:  # the nats CLI's variable, then the local default
             nc = os.environ.get("NATS_URL") or DEFAULT_URL
@@ -207,6 +216,11 @@ class StraitClient:
         # Nats-Msg-Id (stored once) when its ack does not come within publish_ack_timeout_s.
         self.publish_ack_timeout_s = publish_ack_timeout_s
         self.publish_attempts = publish_attempts
+        self.reply_mux = self.report_usage if reply_mux is None else reply_mux
+        self.client_id = uuid.uuid4().hex[:12]  # <reader> in this client's reply subjects
+        self._mux: StreamMux | None = None
+        self._mux_nc: NATS | None = None  # the connection the mux subscribed on
+        self._mux_lock = asyncio.Lock()
 
     @classmethod
     def from_settings(cls, settings: Any, nc: NATS | None = None, **kwargs: Any) -> StraitClient:
@@ -243,6 +257,10 @@ class StraitClient:
         return self
 
     async def close(self) -> None:
+        if self._mux is not None:
+            mux, self._mux, self._mux_nc = self._mux, None, None
+            if not self._owns_connection and self._nc is not None and not self._nc.is_closed:
+                await mux.stop()  # the caller's connection lives on
         if self._owns_connection and self._nc is not None and not self._nc.is_closed:
             if self._nc.is_connected:
                 await self._nc.drain()
@@ -368,6 +386,18 @@ class StraitClient:
             max_idle_s=max_idle_s,
         )
 
+    async def reply_reader(self) -> StreamMux | None:
+        """The client's reply mux (subscribed on first use), or None with ``reply_mux`` off."""
+        if not self.reply_mux:
+            return None
+        nc = self.nc
+        async with self._mux_lock:
+            if self._mux is None or self._mux_nc is not nc:
+                mux = StreamMux(nc, self.subjects.reply_streams(self.client_id))
+                await mux.start()
+                self._mux, self._mux_nc = mux, nc
+            return self._mux
+
     def payload_limit(self) -> int:
         """Bytes a request may take: the server's ``max_payload``, or ours when smaller."""
         server = self.nc.max_payload
@@ -449,6 +479,12 @@ class Generation:
         if self._reader is not None:
             return
         c = self.client
+        addressed = self._payload is None and not self.request.reply_subject
+        mux = await c.reply_reader() if addressed else None
+        if mux is not None:
+            self.request = msgspec.structs.replace(
+                self.request, reply_subject=c.subjects.reply_stream(c.client_id, self.request_id)
+            )
         data = self._payload if self._payload is not None else encode(self.request)
         headers = inject_headers()
         size = len(data) + _headers_size({**headers, DEDUPE_HEADER: self.request_id})
@@ -460,13 +496,13 @@ class Generation:
                 request_id=self.request_id,
                 param="prompt",
             )
-        subject = c.subjects.stream(self.request_id)
         reader = StreamReader(
             c.nc,
-            subject,
+            self.request.reply_subject or c.subjects.stream(self.request_id),
             self.first_token_timeout_s,
             self.idle_timeout_s,
             resend_subject=c.subjects.resend(self.request_id),
+            mux=mux,
         )
         await reader.__aenter__()
         self._reader = reader

@@ -88,6 +88,22 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "whoever submitted the request",
         True,
     ),
+    "reply_stream": SubjectDoc(
+        ("<reader>", "<request_id>"),
+        "Routed / TokenDelta / Migrated / Finished / ErrorMessage",
+        "core NATS",
+        "worker, router (the request's `reply_subject`)",
+        "the process `<reader>` that submitted it: a gateway, or a `StraitClient` of the fleet's account",
+        False,
+    ),
+    "reply_streams": SubjectDoc(
+        ("<reader>",),
+        "Routed / TokenDelta / Migrated / Finished / ErrorMessage",
+        "core NATS",
+        "—",
+        "the process `<reader>`: one subscription for all the requests it submitted",
+        False,
+    ),
     "cancel": SubjectDoc(
         ("<request_id>",),
         "CancelRequest",

@@ -1,7 +1,8 @@
 """One completion request through the fleet, as the OpenAI API shapes it.
 
-``CompletionRun`` is built by the chat and text-completion routes in ``app.py``: ``start``
-subscribes to the request's stream subject, publishes the ``GenerateRequest`` inside the
+``CompletionRun`` is built by the chat and text-completion routes in ``app.py``; it addresses
+the request to this gateway's reply subject (``Fleet.addressed``). ``start`` registers the
+request's reader with the gateway's one stream subscription (``Fleet.mux``), publishes the ``GenerateRequest`` inside the
 ``gateway.request`` span (so the traceparent rides along) and waits for the first token (an
 error before any token is a plain HTTP error, even for ``stream=true``); then ``sse`` streams
 chunks or ``collect`` builds the whole response. ``close`` always runs once: it cancels an
@@ -317,7 +318,7 @@ class CompletionRun:
         self.fleet = fleet
         self.param_aliases = param_aliases or {}
         self.kind = kind
-        self.req = req
+        self.req = req = fleet.addressed(req)
         self.outcome = Outcome(req.request_id, api_key_id, req.model, req.team)
         self.created = int(time.time())
         self.shaper = ChunkShaper(kind, req.request_id, self.created, req.model, include_usage)

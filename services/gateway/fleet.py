@@ -1,20 +1,30 @@
 """The gateway's connection to the fleet: NATS, JetStream, and a live view of the workers.
 
 Created by the app's lifespan; handlers reach it through ``deps.get_fleet``. ``submit`` is the
-one way a request leaves the gateway: subscribe to its stream subject, publish the request to
-the JetStream requests stream, hand back a reader. ``cancel`` tells workers to free a request.
+one way a request leaves the gateway: its reader joins the process's one subscription to
+``reply.<gateway_id>.*`` (``mux``), the request goes to the JetStream requests stream with
+``reply.<gateway_id>.<request_id>`` as its ``reply_subject``. ``cancel`` tells workers to free a request.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from libs.log import fields
-from libs.nats_util import DEDUPE_HEADER, StreamReader, connect, provision, publish_acked
+from libs.nats_util import (
+    DEDUPE_HEADER,
+    StreamMux,
+    StreamReader,
+    connect,
+    provision,
+    publish_acked,
+)
 from libs.protocol import (
     CancelRequest,
     GenerateRequest,
@@ -53,11 +63,17 @@ class Fleet:
         self.registry = WorkerRegistry(settings.router.worker_ttl_s)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
+        # This process's name in its requests' reply subjects (one per process: replicas of
+        # the gateway never read each other's streams).
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.mux: StreamMux | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats, "gateway")
         self.js = self.nc.jetstream()
         await provision(self.js, self.settings.nats)
+        self.mux = StreamMux(self.nc, self.subjects.reply_streams(self.gateway_id))
+        await self.mux.start()
         await self.nc.subscribe(self.subjects.beats_all, cb=self._on_beat)
         await self.nc.subscribe(self.subjects.kv_events_all, cb=self._on_kv)
 
@@ -87,7 +103,14 @@ class Fleet:
         serving = self.registry.serving_pools()
         return sum(1 for v in self.registry.workers.values() if v.beat.pool in serving)
 
+    def addressed(self, req: GenerateRequest) -> GenerateRequest:
+        """``req`` streaming to this gateway's reply subject (read through the mux)."""
+        return msgspec.structs.replace(
+            req, reply_subject=self.subjects.reply_stream(self.gateway_id, req.request_id)
+        )
+
     def reader(self, req: GenerateRequest) -> StreamReader:
+        """The reader of an ``addressed`` request's stream; enter it before ``publish``."""
         assert self.nc is not None
         g = self.settings.gateway
         return StreamReader(
@@ -97,7 +120,12 @@ class Fleet:
             g.idle_timeout_s,
             max_pending=min(req.sampling.n * req.sampling.max_tokens + 16, STREAM_BUFFER_MAX),
             resend_subject=self.subjects.resend(req.request_id),
+            mux=self.mux if req.reply_subject.startswith(self.mux_prefix) else None,
         )
+
+    @property
+    def mux_prefix(self) -> str:
+        return self.subjects.reply_stream(self.gateway_id, "")
 
     async def publish(self, req: GenerateRequest) -> None:
         """Put the request on the JetStream requests stream (call inside the reader's context)."""

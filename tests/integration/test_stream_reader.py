@@ -167,3 +167,36 @@ async def test_a_waiting_reader_wakes_for_each_message_and_times_out_on_silence(
     assert [m.seq for m in got] == [1, 2]
     assert 0.3 <= time.monotonic() - t0 < 2.0
     await nc.close()
+
+
+async def test_waits_on_a_flowing_stream_share_one_timer(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway waits once per streamed token: the waits re-use one armed timer (moved
+    lazily) instead of scheduling and cancelling one each, and leaving frees it."""
+    nc = await nats.connect(nats_url)
+    loop = asyncio.get_running_loop()
+    armed: list[asyncio.TimerHandle] = []
+    call_at = loop.call_at
+
+    def spy(when: float, cb: object, *args: object, **kw: object) -> asyncio.TimerHandle:
+        handle = call_at(when, cb, *args, **kw)  # type: ignore[arg-type]
+        if isinstance(getattr(cb, "__self__", None), StreamReader):
+            armed.append(handle)
+        return handle
+
+    monkeypatch.setattr(loop, "call_at", spy)
+    async with StreamReader(nc, "sr.timer", 5, 5) as reader:
+
+        async def publish() -> None:
+            for seq in range(1, 21):
+                await asyncio.sleep(0.005)  # the reader is waiting when each one comes
+                await nc.publish("sr.timer", delta(seq, "x"))
+            await nc.publish("sr.timer", encode(Finished(seq=21, request_id="r", usage=Usage())))
+
+        task = asyncio.create_task(publish())
+        got = [m async for m in reader.messages()]
+        await task
+    assert [m.seq for m in got] == list(range(1, 22))
+    assert len(armed) == 1 and armed[0].cancelled()
+    await nc.close()

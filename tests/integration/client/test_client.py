@@ -120,6 +120,16 @@ async def test_200_concurrent_generations_through_one_connection(fleet_settings:
                 done = await c.complete(f"prompt number {i}", max_tokens=8, request_id=f"conc-{i}")
                 return done.request_id, done.usage.completion_tokens
 
-            results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 60)
+            tasks = [asyncio.create_task(one(i)) for i in range(200)]
+            await asyncio.sleep(0.05)
+            # One subscription for every stream (the client's reply mux), none per request;
+            # nats-py's own _INBOX one takes the JetStream acks. (_subs: nats-py's live ones.)
+            subs = [s.subject for s in c.nc._subs.values() if not s.subject.startswith("_INBOX")]
+            assert subs == [c.subjects.reply_streams(c.client_id)]
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            gen = c.generate("which subject", max_tokens=2)
+            async with gen:
+                assert [d async for d in gen]
+            assert gen.request.reply_subject == c.subjects.reply_stream(c.client_id, gen.request_id)
         assert sorted(results) == sorted((f"conc-{i}", 8) for i in range(200))
         assert {w.backend.load().running for w in fleet.workers} == {0}

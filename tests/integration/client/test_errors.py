@@ -108,7 +108,9 @@ async def test_every_wire_error_code_maps_to_its_class(fleet_settings: Settings)
             param="p",
             retry_after_s=0.5,
         )
-        await nc.publish(subjects.stream(req["request_id"]), encode(err))
+        # As a worker does: the request's reply_subject, else its stream subject.
+        reply = req.get("reply_subject") or subjects.stream(req["request_id"])
+        await nc.publish(reply, encode(err))
 
     await nc.subscribe(subjects.requests, cb=answer)  # core subscriber beside the stream
     async with StraitClient.from_settings(fleet_settings) as c:
