@@ -1119,6 +1119,151 @@ inline void weighted_values(const float* p, int64_t len, const float* v_head, co
   }
 }
 
+#if STRAIT_AVX512
+// The query heads that share one KV head (G of them), attended together: each key and value
+// is loaded once for the G heads instead of once per head. Every head's arithmetic is exactly
+// dot8's and weighted_values' (the same FMA chains in the same order, the same reduction), so
+// results are bit-identical to attending the heads one at a time. G <= 3: G x 8 accumulators
+// must stay in the 32 vector registers.
+template <int G>
+inline void dot8_heads(const float* q, int64_t d, const float* k, float scale, float* scores,
+                       int64_t ld) {
+  __m256 a[G][8];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * d + i);
+    for (int j = 0; j < 8; ++j) {
+      const __m256 kj = _mm256_loadu_ps(k + j * d + i);
+      for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(qv[g], kj, a[g][j]);
+    }
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int g = 0; g < G; ++g)
+    _mm256_storeu_ps(scores + g * ld, _mm256_mul_ps(hsum8(a[g][0], a[g][1], a[g][2], a[g][3], a[g][4],
+                                                           a[g][5], a[g][6], a[g][7]),
+                                                     vscale));
+}
+
+// a[g][c] += p[g * ld + t] * v_t[16c : 16c + 16] for keys t < n, in order: G heads' sums over
+// 64 value columns (vb: the first key's columns in a block [n, d]).
+template <int G>
+inline void fma_values(__m512 (&a)[G][4], const float* p, int64_t ld, const float* vb, int64_t n,
+                       int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = vb + t * d;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16),
+                 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * ld + t]);
+      a[g][0] = _mm512_fmadd_ps(pj, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(pj, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(pj, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(pj, v3, a[g][3]);
+    }
+  }
+}
+
+// weighted_values for G heads (d a multiple of 64): p [G, ld], out [G, d], inv [G].
+template <int G>
+inline void weighted_values_heads(const float* p, int64_t ld, int64_t len, const float* v_head,
+                                  const int64_t* table, int64_t bs, int64_t d, const float* inv,
+                                  float* out) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {
+      const int64_t n = std::min(bs, len - j0);
+      fma_values<G>(a, p + j0, ld, v_head + table[blk] * bs * d + d0, n, d);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 vi = _mm512_set1_ps(inv[g]);
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(out + g * d + d0 + 16 * c, _mm512_mul_ps(a[g][c], vi));
+    }
+  }
+}
+
+// One (row, KV head) item's scores for a key block of n keys, G heads at once.
+template <int G>
+inline void block_scores_heads(const float* q0, int64_t d, const float* kb, int64_t n,
+                               float scale, float* scores, int64_t len) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) dot8_heads<G>(q0, d, kb + t * d, scale, scores + t, len);
+  for (; t < n; ++t)
+    for (int g = 0; g < G; ++g) scores[g * len + t] = dot(q0 + g * d, kb + t * d, d) * scale;
+}
+#endif
+
+#if STRAIT_AVX512
+constexpr int64_t kRunRows = 16;  // rows of one block table attended together, at most
+
+// Rows [r0, r1) that share one block table (one sequence's decode row and its speculative
+// rows, or a prefill chunk) for KV head kh, G query heads each: every key and value block is
+// read once for all of them (from L1 after the first row) instead of once per row. Each row's
+// arithmetic is the row-by-row path's (block_scores_heads; softmax_numerators; the FMA chain
+// of weighted_values_heads over the keys in order, kept in `acc` between blocks), so its bits
+// do not depend on which rows share its run.
+template <int G>
+void attend_run(const float* qp, int64_t h, int64_t d, const float* kh_base,
+                const float* vh_base, const int64_t* table, int64_t bs, const int64_t* lens,
+                int64_t r0, int64_t r1, int64_t kh, float scale, float* op,
+                std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t nr = r1 - r0;
+  int64_t off[kRunRows + 1];  // row i's scores [G, len_i] start at off[i]
+  int64_t max_len = 0;
+  off[0] = 0;
+  for (int64_t i = 0; i < nr; ++i) {
+    max_len = std::max(max_len, lens[r0 + i]);
+    off[i + 1] = off[i] + G * lens[r0 + i];
+  }
+  scores.resize(off[nr]);
+  for (int64_t j0 = 0, blk = 0; j0 < max_len; j0 += bs, ++blk) {
+    const float* kb = kh_base + table[blk] * bs * d;
+    if (j0 + bs < max_len) prefetch_floats(kh_base + table[blk + 1] * bs * d, bs * d);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t len = lens[r0 + i];
+      if (j0 >= len) continue;
+      block_scores_heads<G>(qp + ((r0 + i) * h + kh * G) * d, d, kb, std::min(bs, len - j0),
+                            scale, scores.data() + off[i] + j0, len);
+    }
+  }
+  float inv[kRunRows][G];
+  for (int64_t i = 0; i < nr; ++i)
+    for (int g = 0; g < G; ++g)
+      inv[i][g] = 1.f / softmax_numerators(scores.data() + off[i] + g * lens[r0 + i], lens[r0 + i]);
+  acc.assign(nr * G * d, 0.f);  // row i, head g: acc[(i * G + g) * d + c]
+  for (int64_t j0 = 0, blk = 0; j0 < max_len; j0 += bs, ++blk) {
+    const float* vb = vh_base + table[blk] * bs * d;
+    if (j0 + bs < max_len) prefetch_floats(vh_base + table[blk + 1] * bs * d, bs * d);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t len = lens[r0 + i];
+      if (j0 >= len) continue;
+      const int64_t n = std::min(bs, len - j0);
+      const float* p = scores.data() + off[i] + j0;
+      float* ai = acc.data() + i * G * d;
+      for (int64_t d0 = 0; d0 < d; d0 += 64) {
+        __m512 a[G][4];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(ai + g * d + d0 + 16 * c);
+        fma_values<G>(a, p, len, vb + d0, n, d);
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(ai + g * d + d0 + 16 * c, a[g][c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int g = 0; g < G; ++g) {
+      const __m512 vi = _mm512_set1_ps(inv[i][g]);
+      float* o = op + ((r0 + i) * h + kh * G + g) * d;
+      for (int64_t c = 0; c < d; c += 16)
+        _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + (i * G + g) * d + c), vi));
+    }
+}
+#endif
+
 constexpr int64_t kAttnGrain = 4;  // (row, KV head) items below which one thread attends
 
 // One query row per token, each over the first context_lens[r] keys of its own block table: a
@@ -1148,6 +1293,8 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lens.numel() == rows,
               "block_tables must be [T, max_blocks] and context_lens [T]");
   const int64_t groups = h / hkv, head_stride = k_cache.stride(0);
+  // Heads per KV head attended together (AVX-512, head dims a multiple of 64); 0: one by one.
+  const int64_t shared_heads = STRAIT_AVX512 && d % 64 == 0 && (groups == 2 || groups == 3) ? groups : 0;
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -1157,6 +1304,39 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
+#if STRAIT_AVX512
+  if (shared_heads == 2 || shared_heads == 3) {
+    // Runs of consecutive rows with the same block table, at most kRunRows each.
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (int64_t r = 0; r < rows;) {
+      int64_t e = r + 1;
+      while (e < rows && e - r < kRunRows &&
+             std::equal(tp + e * max_blocks, tp + (e + 1) * max_blocks, tp + r * max_blocks))
+        ++e;
+      runs.emplace_back(r, e);
+      r = e;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(lp[r] > 0 && lp[r] <= max_blocks * bs, "context length outside the block table");
+    const int64_t items = static_cast<int64_t>(runs.size()) * hkv;
+    // As below: a step of few (row, KV head) pairs runs on the calling thread.
+    at::parallel_for(0, items, rows * hkv <= kAttnGrain ? items : 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, acc;
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [r0, r1] = runs[i / hkv];
+        const int64_t kh = i % hkv;
+        const int64_t* table = tp + r0 * max_blocks;
+        const float* kh_base = kp + kh * head_stride;
+        const float* vh_base = vp + kh * head_stride;
+        if (shared_heads == 3)
+          attend_run<3>(qp, h, d, kh_base, vh_base, table, bs, lp, r0, r1, kh, fscale, op, scores, acc);
+        else
+          attend_run<2>(qp, h, d, kh_base, vh_base, table, bs, lp, r0, r1, kh, fscale, op, scores, acc);
+      }
+    });
+    return out;
+  }
+#endif
   // Grain of kAttnGrain items: a step with few rows (one sequence decoding: 3 items) runs on
   // the calling thread, without waking the pool for microseconds of work.
   at::parallel_for(0, rows * hkv, kAttnGrain, [&](int64_t i0, int64_t i1) {
@@ -1176,6 +1356,16 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
         const float* kb = kh_base + table[blk] * bs * d;
         if (j0 + bs < len) prefetch_floats(kh_base + table[blk + 1] * bs * d, bs * d);
         prefetch_floats(vh_base + table[blk] * bs * d, n * d);  // for the value pass
+#if STRAIT_AVX512
+        if (shared_heads == 3) {
+          block_scores_heads<3>(q0, d, kb, n, fscale, scores.data() + j0, len);
+          continue;
+        }
+        if (shared_heads == 2) {
+          block_scores_heads<2>(q0, d, kb, n, fscale, scores.data() + j0, len);
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < groups; ++g) {
           const float* qg = q0 + g * d;
           float* sg = scores.data() + g * len + j0;
@@ -1196,10 +1386,23 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
         const int64_t next_row = (i + 1) / hkv, next_kh = (i + 1) % hkv;
         prefetch_floats(kp + next_kh * head_stride + tp[next_row * max_blocks] * bs * d, bs * d);
       }
+      float* out_heads = op + (row * h + kh * groups) * d;
+#if STRAIT_AVX512
+      if (shared_heads == 2 || shared_heads == 3) {
+        float inv[3];
+        for (int64_t g = 0; g < groups; ++g)
+          inv[g] = 1.f / softmax_numerators(scores.data() + g * len, len);
+        if (shared_heads == 3)
+          weighted_values_heads<3>(scores.data(), len, len, vh_base, table, bs, d, inv, out_heads);
+        else
+          weighted_values_heads<2>(scores.data(), len, len, vh_base, table, bs, d, inv, out_heads);
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * len;
         const float inv = 1.f / softmax_numerators(s, len);
-        weighted_values(s, len, vh_base, table, bs, d, inv, op + (row * h + kh * groups + g) * d);
+        weighted_values(s, len, vh_base, table, bs, d, inv, out_heads + g * d);
       }
     }
   });

@@ -299,3 +299,48 @@ def test_auto_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog) -> N
     assert "using torch's" in caplog.text
     with pytest.raises(OSError, match="not found"):
         kernels.load("on", "cpu", "float32")
+
+
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 2, 64), (6, 3, 128), (8, 2, 64)])
+def test_query_heads_sharing_a_kv_head_get_the_bits_of_attending_alone(
+    k, h: int, hkv: int, d: int
+) -> None:
+    """The query heads of one KV head are attended together (keys and values loaded once for
+    them): each head's result is bit-identical to a cache with a KV head of its own."""
+    torch.manual_seed(h * d)
+    bs, num_blocks = 16, 48
+    lens = torch.tensor([1, 7, bs, 3 * bs + 5, 20 * bs - 3])
+    max_blocks = int(-(-lens.max() // bs))
+    k_cache, v_cache = torch.randn(hkv, num_blocks, bs, d), torch.randn(hkv, num_blocks, bs, d)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), h, d) * 3
+    shared = k.paged_row_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+    g = h // hkv  # one KV head per query head: every head attended on its own
+    own_k = k_cache.repeat_interleave(g, dim=0).contiguous()
+    own_v = v_cache.repeat_interleave(g, dim=0).contiguous()
+    alone = k.paged_row_attention(q, own_k, own_v, tables, lens, d**-0.5)
+    assert torch.equal(shared, alone)
+
+
+@pytest.mark.parametrize(("h", "hkv"), [(9, 3), (4, 2)])
+def test_rows_sharing_a_block_table_get_the_bits_of_attending_alone(k, h: int, hkv: int) -> None:
+    """A sequence's decode row and its speculative rows (one block table, positions in a row),
+    beside another sequence, are attended as one run: each row's bits are those it gets alone,
+    and those of a cache with a KV head per query head."""
+    torch.manual_seed(h)
+    d, bs, num_blocks = 64, 16, 64
+    first = torch.randperm(num_blocks)[:40]
+    other = torch.randperm(num_blocks)[:40]
+    tables = torch.stack([first] * 9 + [other] + [first] * 20)  # 9 + 1 + 20 (two runs of 16, 4)
+    lens = torch.cat([torch.arange(300, 309), torch.tensor([77]), torch.arange(500, 520)])
+    k_cache, v_cache = torch.randn(hkv, num_blocks, bs, d), torch.randn(hkv, num_blocks, bs, d)
+    q = torch.randn(len(lens), h, d) * 3
+    together = k.paged_row_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+    for i in range(len(lens)):
+        alone = k.paged_row_attention(
+            q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], d**-0.5
+        )
+        assert torch.equal(alone, together[i : i + 1])
+    g = h // hkv
+    own = [c.repeat_interleave(g, dim=0).contiguous() for c in (k_cache, v_cache)]
+    assert torch.equal(k.paged_row_attention(q, *own, tables, lens, d**-0.5), together)
