@@ -403,6 +403,7 @@ struct QPanelPtr {
 
 #if STRAIT_AVX512
 constexpr int kQAcc = 16;  // 16-column accumulators a tile may hold (one zmm each)
+constexpr bool kFiveRowTile = true;  // int8 activations: a 5-row x 4-panel tile (see QLinear)
 
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 #if STRAIT_VNNI
@@ -489,7 +490,7 @@ template <int R, int NP, int BITS, bool OFFSET>
 inline void qdot_tile(const int8_t* xq, int64_t ldq, const float* xd, const int32_t* xs,
                       const QPanelPtr* pn, int64_t k, int64_t group, float* y, int64_t ldy,
                       const int64_t* cols, const float* const* bias) {
-  static_assert(R * NP <= 16, "too many accumulators");
+  static_assert(R * NP <= 20, "too many accumulators");
   const int64_t nb = k / kQB;
   __m512 sum[R][NP];
   for (int r = 0; r < R; ++r)
@@ -590,6 +591,7 @@ inline void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, floa
 // vpmaddwd: exact for 4-bit levels (|pair| <= 2 * 15 * 127); 8-bit levels are multiplied
 // signed (sign trick, |pair| <= 2 * 128 * 127) and the stored +128 added back per block.
 constexpr int kQAcc = 4;  // 16-column accumulators a tile may hold (two ymm each; 16 ymm in all)
+constexpr bool kFiveRowTile = false;
 
 struct Q16 {  // 16 float lanes: one panel's columns
   __m256 lo, hi;
@@ -851,9 +853,21 @@ struct QLinear {
       return;
     }
     const int64_t nb = k / kQB;
-    for (; r + rows_dot <= m; r += rows_dot)
+    // Four-row tiles, but a last single row joins the tile before it: one five-row tile (its
+    // float sums spill; the integer dots stay in registers) instead of a one-row tile that
+    // unpacks every level again for one row. All SmolLM2 linears at 5 rows: 9.8 -> 8.8 ms.
+    constexpr bool five = kFiveRowTile && NP == 4 && rows_dot == 4;
+    const int64_t tiled = five && m > rows_dot && m % rows_dot == 1 ? m - 5 : m;
+    for (; r + rows_dot <= tiled; r += rows_dot)
       qdot_tile<rows_dot, NP, BITS, OFFSET>(xq + r * k, k, xd + r * nb, xs + r * nb, pn, k, group,
                                             y + r * n, n, cols, bias);
+    if constexpr (five) {
+      if (m - r == 5) {
+        qdot_tile<5, NP, BITS, OFFSET>(xq + r * k, k, xd + r * nb, xs + r * nb, pn, k, group,
+                                       y + r * n, n, cols, bias);
+        return;
+      }
+    }
     switch (m - r) {
 #define STRAIT_CASE(R) \
   case R: if constexpr (R < rows_dot) qdot_tile<R, NP, BITS, OFFSET>(xq + r * k, k, xd + r * nb, xs + r * nb, pn, k, group, y + r * n, n, cols, bias); break;
