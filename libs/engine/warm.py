@@ -54,8 +54,10 @@ def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     """A short hash of everything that decides the pool's compiled graphs (see the module)."""
     engine = settings.engine_for(pool)
     h = hashlib.sha256()
-    budget = {"kv_cache_bytes", "kv_cache_memory_fraction"}  # a symbolic size of the graphs
-    h.update(engine.model_dump_json(exclude=budget).encode())
+    # The KV budget is a symbolic size of the graphs; speculation runs the same graphs (main
+    # compiles without it), so neither makes a new key: a new depth or proposer is no warm-up.
+    unshaping = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative"}
+    h.update(engine.model_dump_json(exclude=unshaping).encode())
     # The threads the workers will run (inductor's kernels are generated for a thread count;
     # OMP_NUM_THREADS changes it as much as engine.num_threads does).
     h.update(str(engine.threads()).encode())

@@ -34,6 +34,10 @@ def test_a_pool_is_warmed_once_per_graph_shaping_change(tmp_path: Path) -> None:
     # The KV budget is a symbolic size of the graphs: no new warm-up.
     budget = _settings(tmp_path, model_dir, compile=True, kv_cache_bytes=2**30)
     assert not warm.needs_warm(budget, budget.pools[0])
+    # Speculation runs the same graphs (the warm-up compiles without it): no new warm-up.
+    spec = {"method": "suffix", "num_speculative_tokens": 8}
+    deeper = _settings(tmp_path, model_dir, compile=True, speculative=spec)
+    assert not warm.needs_warm(deeper, deeper.pools[0])
     # The weights' format, the thread count or the model's config: a new one.
     for changed in ({"quantization": "int8"}, {"num_threads": 1}):
         other = _settings(tmp_path, model_dir, compile=True, **changed)
