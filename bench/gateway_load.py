@@ -34,7 +34,9 @@ and ``--warmup`` seconds more; it measures for ``--duration`` seconds:
   NATS), both on this process's one clock and event loop; matched by request id (the response's
   ``X-Request-Id``) and the token's ordinal in its stream. It counts everything between
   nats-server and the client that the direct path does not: the gateway's socket read, its event
-  loop's queue, decoding, the SSE encode and write, and one more loopback TCP hop;
+  loop's queue, decoding, the SSE encode and write, and one more loopback TCP hop. Beside it,
+  per frame, how many delta frames reached the probe in the same socket read (how bursty the
+  stream from nats-server is); ``--pin-gateway`` gives the gateway a CPU of its own;
 - request errors by HTTP status / error code;
 - CPU of each gateway process, of the client, and of the rest of the fleet (router, workers,
   nats-server) over the window, as % of one core (psutil).
@@ -111,6 +113,8 @@ class ClientState:
         self.added = array("d")  # --probe: per token, SSE read − NATS read (s)
         # --probe: read times of each stream's delta frames from NATS, by request id (bytes).
         self.nats_seen: dict[bytes, list[float]] = {}
+        # --probe: per frame, how many delta frames came in the same socket read (a burst).
+        self.burst = array("d")
         self.held: list[int] = []
         self.probing = False
         self.started = 0  # slots that have sent their first request
@@ -278,6 +282,7 @@ async def nats_probe(url: str, subject: str, st: ClientState) -> None:
         now = perf()
         buf += data
         pos, n = 0, len(buf)
+        frames = 0
         while (j := buf.find(b"\r\n", pos)) >= 0:
             if buf.startswith(b"MSG ", pos) or buf.startswith(b"HMSG ", pos):
                 parts = buf[pos:j].split()
@@ -289,12 +294,15 @@ async def nats_probe(url: str, subject: str, st: ClientState) -> None:
                     if (times := seen.get(rid)) is None:
                         seen[rid] = times = []
                     times.append(now)
+                    frames += 1
                 pos = end + 2
             else:
                 if buf.startswith(b"PING", pos):
                     writer.write(b"PONG\r\n")
                 pos = j + 2
         buf = buf[pos:]
+        if st.recording and frames:
+            st.burst.extend([frames] * frames)
     writer.close()
 
 
@@ -468,6 +476,7 @@ async def client_main(args: argparse.Namespace) -> None:
         if st.added
         else None,
         "added_n": len(st.added),
+        "burst": [pct(st.burst, q) for q in (0.5, 0.99)] if st.burst else None,
         "errors": dict(st.errors),
         "client_cpu_pct": 100 * cpu / took,
     }
@@ -776,13 +785,16 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             "\nWhat the gateway adds per token (--probe: SSE chunk read − the same frame read "
             "from nats-server, in the client):\n"
         )
-        print("| gateways | streams | tokens/s | tokens matched | added p50 / p99 / p99.9 ms |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| gateways | streams | tokens/s | tokens matched | added p50 / p99 / p99.9 ms "
+            "| frames per NATS read p50 / p99 |"
+        )
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in probed:
-            a = r["added_ms"]
+            a, b = r["added_ms"], r.get("burst") or [0, 0]
             print(
                 f"| {r['gateways']} | {r['streams']} | {r['tokens_per_s']:.0f} | {r['added_n']} "
-                f"| {a[0]:.2f} / {a[1]:.2f} / {a[2]:.2f} |"
+                f"| {a[0]:.2f} / {a[1]:.2f} / {a[2]:.2f} | {b[0]:.0f} / {b[1]:.0f} |"
             )
     print("\nThe gateways' own /metrics over the same window (histogram quantiles, bucketed):\n")
     print(
