@@ -1179,27 +1179,6 @@ inline void fma_values(__m512 (&a)[G][4], const float* p, int64_t ld, const floa
   }
 }
 
-// weighted_values for G heads (d a multiple of 64): p [G, ld], out [G, d], inv [G].
-template <int G>
-inline void weighted_values_heads(const float* p, int64_t ld, int64_t len, const float* v_head,
-                                  const int64_t* table, int64_t bs, int64_t d, const float* inv,
-                                  float* out) {
-  for (int64_t d0 = 0; d0 < d; d0 += 64) {
-    __m512 a[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
-    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {
-      const int64_t n = std::min(bs, len - j0);
-      fma_values<G>(a, p + j0, ld, v_head + table[blk] * bs * d + d0, n, d);
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 vi = _mm512_set1_ps(inv[g]);
-      for (int c = 0; c < 4; ++c)
-        _mm512_storeu_ps(out + g * d + d0 + 16 * c, _mm512_mul_ps(a[g][c], vi));
-    }
-  }
-}
-
 // One (row, KV head) item's scores for a key block of n keys, G heads at once.
 template <int G>
 inline void block_scores_heads(const float* q0, int64_t d, const float* kb, int64_t n,
@@ -1217,9 +1196,9 @@ constexpr int64_t kRunRows = 16;  // rows of one block table attended together, 
 // Rows [r0, r1) that share one block table (one sequence's decode row and its speculative
 // rows, or a prefill chunk) for KV head kh, G query heads each: every key and value block is
 // read once for all of them (from L1 after the first row) instead of once per row. Each row's
-// arithmetic is the row-by-row path's (block_scores_heads; softmax_numerators; the FMA chain
-// of weighted_values_heads over the keys in order, kept in `acc` between blocks), so its bits
-// do not depend on which rows share its run.
+// arithmetic is the row-by-row path's (dot8's chains in block_scores_heads; softmax_numerators;
+// weighted_values' FMA chain over the keys in order, in fma_values, kept in `acc` between
+// blocks), so its bits do not depend on which rows share its run.
 template <int G>
 void attend_run(const float* qp, int64_t h, int64_t d, const float* kh_base,
                 const float* vh_base, const int64_t* table, int64_t bs, const int64_t* lens,
@@ -1307,8 +1286,6 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lens.numel() == rows,
               "block_tables must be [T, max_blocks] and context_lens [T]");
   const int64_t groups = h / hkv, head_stride = k_cache.stride(0);
-  // Heads per KV head attended together (AVX-512, head dims a multiple of 64); 0: one by one.
-  const int64_t shared_heads = STRAIT_AVX512 && d % 64 == 0 && (groups == 2 || groups == 3) ? groups : 0;
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -1319,7 +1296,8 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
   const float fscale = static_cast<float>(scale);
 
 #if STRAIT_AVX512
-  if (shared_heads == 2 || shared_heads == 3) {
+  // Head dims a multiple of 64 and 2 or 3 query heads a KV head: runs of rows (attend_run).
+  if (d % 64 == 0 && (groups == 2 || groups == 3)) {
     // Runs of consecutive rows with the same block table, at most kRunRows each.
     std::vector<std::pair<int64_t, int64_t>> runs;
     for (int64_t r = 0; r < rows;) {
@@ -1342,7 +1320,7 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
         const int64_t* table = tp + r0 * max_blocks;
         const float* kh_base = kp + kh * head_stride;
         const float* vh_base = vp + kh * head_stride;
-        if (shared_heads == 3)
+        if (groups == 3)
           attend_run<3>(qp, h, d, kh_base, vh_base, table, bs, lp, r0, r1, kh, fscale, op, scores, acc);
         else
           attend_run<2>(qp, h, d, kh_base, vh_base, table, bs, lp, r0, r1, kh, fscale, op, scores, acc);
@@ -1370,16 +1348,6 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
         const float* kb = kh_base + table[blk] * bs * d;
         if (j0 + bs < len) prefetch_floats(kh_base + table[blk + 1] * bs * d, bs * d);
         prefetch_floats(vh_base + table[blk] * bs * d, n * d);  // for the value pass
-#if STRAIT_AVX512
-        if (shared_heads == 3) {
-          block_scores_heads<3>(q0, d, kb, n, fscale, scores.data() + j0, len);
-          continue;
-        }
-        if (shared_heads == 2) {
-          block_scores_heads<2>(q0, d, kb, n, fscale, scores.data() + j0, len);
-          continue;
-        }
-#endif
         for (int64_t g = 0; g < groups; ++g) {
           const float* qg = q0 + g * d;
           float* sg = scores.data() + g * len + j0;
@@ -1400,23 +1368,10 @@ torch::Tensor paged_row_attention(const torch::Tensor& query, const torch::Tenso
         const int64_t next_row = (i + 1) / hkv, next_kh = (i + 1) % hkv;
         prefetch_floats(kp + next_kh * head_stride + tp[next_row * max_blocks] * bs * d, bs * d);
       }
-      float* out_heads = op + (row * h + kh * groups) * d;
-#if STRAIT_AVX512
-      if (shared_heads == 2 || shared_heads == 3) {
-        float inv[3];
-        for (int64_t g = 0; g < groups; ++g)
-          inv[g] = 1.f / softmax_numerators(scores.data() + g * len, len);
-        if (shared_heads == 3)
-          weighted_values_heads<3>(scores.data(), len, len, vh_base, table, bs, d, inv, out_heads);
-        else
-          weighted_values_heads<2>(scores.data(), len, len, vh_base, table, bs, d, inv, out_heads);
-        continue;
-      }
-#endif
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * len;
         const float inv = 1.f / softmax_numerators(s, len);
-        weighted_values(s, len, vh_base, table, bs, d, inv, out_heads + g * d);
+        weighted_values(s, len, vh_base, table, bs, d, inv, op + (row * h + kh * groups + g) * d);
       }
     }
   });
