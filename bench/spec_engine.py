@@ -5,8 +5,8 @@
 
 Each concurrency level serves the same requests of a ``bench.workloads`` workload (its chat
 prompts through the model's chat template, greedy, the workload's output lengths) with
-``engine.speculative.method`` off and then ``--method`` (``ngram`` or ``suffix``) at ``--depth``, keeping ``c`` requests in
-flight (a new one joins as one finishes). Printed per run: output tokens/s over the run
+``engine.speculative.method`` off and then ``--method`` (``ngram`` or ``suffix``) at ``--depth``,
+keeping ``c`` requests in flight (a new one joins as one finishes). Printed per run: output tokens/s over the run
 (prefill included), engine steps, proposals kept / made, and how many outputs equal the run
 without speculation. The served figure is ``strait bench serve`` (docs/speculation.md); this
 one isolates the engine, and runs where the fleet does not (a lent GPU).
@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     requests = generate(args.workload, args.num_requests, args.seed)
     if args.distinct:
-        seen: set[tuple[str | None, str]] = set()
-        requests = [
-            r for r in requests if not ((r.system, r.user) in seen or seen.add((r.system, r.user)))
-        ]
+        first: dict[tuple[str | None, str], Any] = {}  # (system, user) -> its first request
+        for r in requests:
+            first.setdefault((r.system, r.user), r)
+        requests = list(first.values())
     prompts = [
         tokenizer.encode(
             tokenizer.apply_chat_template(r.messages(), add_generation_prompt=True, tokenize=False),
@@ -145,9 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         s.speculative.num_speculative_tokens = args.depth
         # A model each: the engine packs and fuses its model's layers as it starts.
         engines[method] = LLMEngine(load_model(path, s), tokenizer, s, args.model)
-        serve(
-            engines[method], method, prompts[:1], [4], 1
-        )  # warm-up: first-call costs out of the runs
+        # Warm-up: first-call costs stay out of the runs.
+        serve(engines[method], method, prompts[:1], [4], 1)
 
     header = (
         f"{'streams':>7} {'method':>6} {'tok/s':>8} {'steps':>6} {'kept/made':>11} "
