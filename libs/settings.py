@@ -312,6 +312,13 @@ class EngineSettings(BaseModel):
     # from inductor's disk cache; `strait up` compiles ahead, libs/engine/warm.py). Decisions
     # 0006, 0007.
     compile: bool = False
+    # With `compile`: keep the compiled graphs on disk ahead of time (libs/engine/aot.py,
+    # decision 0017) and load them at start (~2-3 s) instead of re-tracing the model through
+    # dynamo on every start (~40 s on 2 cores even with inductor's cache warm).
+    compile_aot: bool = True
+    # Where those graphs live; "" is `strait-aot` under inductor's cache directory
+    # (TORCHINDUCTOR_CACHE_DIR, which `strait up` points at <state_dir>/inductor).
+    compile_dir: str = ""
     # One linear for attention's q/k/v and one for the MLP's gate/up in every llama-family
     # layer (libs/engine/fuse.py): three kernel calls a layer fewer, the same answers.
     fuse_projections: bool = True

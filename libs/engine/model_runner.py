@@ -13,6 +13,8 @@ Owned by the engine; called once per step with the scheduler's output. It
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from libs.engine import attention, fuse, kernels, quant
+from libs.engine.aot import AotForward
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
 from libs.engine.kernels.linear import PackedLinear, pack_linears
 from libs.engine.scheduler import ScheduledSeq
@@ -84,6 +87,29 @@ def pad_tables(tables: list[list[int]], width: int) -> list[list[int]]:
     """Block tables padded to ``width`` columns with each row's last block (the kernels and
     the decode mask never read a row past its own blocks)."""
     return [t + [t[-1]] * (width - len(t)) for t in tables]
+
+
+def example_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A step's forward inputs with fresh tensors for compiling from: copies of the small ones,
+    and an alias (same storage, new tensor) of the KV cache, so that marks the compiler leaves
+    on them never reach the engine's own tensors."""
+    meta: AttentionMetadata = inputs["strait_attn"]
+    cache = copy.copy(meta.cache)
+    cache.data = meta.cache.data.detach()
+
+    def fresh(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    example_meta = dataclasses.replace(
+        meta,
+        cache=cache,
+        slot_mapping=meta.slot_mapping.clone(),
+        block_tables=fresh(meta.block_tables),
+        context_lens=fresh(meta.context_lens),
+    )
+    out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    out["strait_attn"] = example_meta
+    return out
 
 
 def load_model(model_path: str | Path, settings: EngineSettings) -> torch.nn.Module:
@@ -180,18 +206,25 @@ class ModelRunner:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged attention", n)
         log.info("weights: %s", self.weights_summary())
-        # The forward under torch.compile (engine.compile; needs the kernels' ops).
+        # The forward under torch.compile (engine.compile; needs the kernels' ops): graphs kept
+        # on disk ahead of time (engine.compile_aot, libs/engine/aot.py), or torch.compile's
+        # own per-process compile.
         self.compiled: Any = None
+        self.aot: AotForward | None = None
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
-            # The model's modules never change after start: no guards on them (see
-            # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
-            guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-            self.compiled = torch.compile(
-                own_forward_entry(), options={"cpp_wrapper": True, "guard_filter_fn": guards}
-            )
-            log.info("engine.compile: compiling the forward (cached on disk after)...")
+            if settings.compile_aot:
+                directory = Path(settings.compile_dir) if settings.compile_dir else None
+                self.aot = AotForward(model, settings, directory)
+            else:
+                # The model's modules never change after start: no guards on them (see
+                # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
+                guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+                self.compiled = torch.compile(
+                    own_forward_entry(), options={"cpp_wrapper": True, "guard_filter_fn": guards}
+                )
+            log.info("engine.compile: preparing the forward's graphs (cached on disk after)...")
             t0 = time.perf_counter()
             self.warm_up()
             log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
@@ -252,7 +285,7 @@ class ModelRunner:
         num_keep = len(keep)
         if self.kernel_attention:
             width = max(len(t) for t in tables)
-            if self.compiled is not None:
+            if self.compiling:
                 # At least two table columns and, past one token, two sampled rows (repeats of
                 # the last, dropped below): dynamo specialises sizes 0 and 1, which would be
                 # more graphs. The kernel reads only each row's first blocks.
@@ -273,7 +306,7 @@ class ModelRunner:
             "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device),
             "strait_attn": meta,
         }
-        if self.compiled is not None:
+        if self.compiling:
             out = self._run_compiled(inputs, meta)
         else:
             out = self.model(**inputs)
@@ -326,7 +359,7 @@ class ModelRunner:
         """Compile both graphs before serving, so no request waits for the compiler. Called
         by :meth:`__init__` when ``engine.compile`` is on. Writes junk K/V into blocks 0-2,
         which no sequence holds yet (a block's slots are written before they are read)."""
-        if self.compiled is None:
+        if not self.compiling:
             return
         bs = self.block_size
         # One token over two blocks; then four tokens (a 3-token chunk and a decode token)
@@ -349,13 +382,36 @@ class ModelRunner:
 
         Only the sizes that vary are symbolic (tokens and sampled rows, except in the
         one-token graph, the block-table width, at least two, see :meth:`_forward`, and the
-        cache's block count); the weights and the rest of the cache's shape are static. Once
-        a graph has run with every guard checked (those on the model's modules are never
-        installed, see :func:`own_forward_entry`), later calls check only the guards that
-        tell the two apart: nothing else they check (dtypes, devices, the metadata's layout)
-        changes after start, and dynamo raises rather than run a graph that does not fit."""
+        cache's block count); the weights and the rest of the cache's shape are static.
+
+        With ``engine.compile_aot`` the runner picks the graph by its class and
+        :class:`~libs.engine.aot.AotForward` checks every guard on a graph's first call only.
+        Otherwise, once a graph has run with every guard checked (those on the model's modules
+        are never installed, see :func:`own_forward_entry`), later calls check only the guards
+        that tell the two apart. Either way nothing else the guards check (dtypes, devices, the
+        metadata's layout) changes after start."""
         assert meta.block_tables is not None and meta.context_lens is not None
         one = meta.block_tables.shape[0] == 1
+        first = one not in self.compiled_shape_classes
+        self.compiled_steps += 1
+        self.compiled_shape_classes.add(one)
+        if self.aot is not None:
+            # A saved graph's guards reject tensors with marked sizes: the sizes are marked on
+            # an example (copies of this step's inputs over an alias of the cache), never on
+            # the tensors the engine keeps.
+            return self.aot.run(one, inputs, lambda: self._dynamic(one, example_inputs(inputs)))
+        self._dynamic(one, inputs)
+        if first:
+            return self.compiled(self.model, **inputs)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.compiled(self.model, **inputs)
+
+    @staticmethod
+    def _dynamic(one: bool, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Mark the sizes that vary between steps of a shape class dynamic (see
+        :meth:`_run_compiled`); returns ``inputs``."""
+        meta: AttentionMetadata = inputs["strait_attn"]
+        assert meta.block_tables is not None and meta.context_lens is not None
         if not one:
             for t in (inputs["input_ids"], inputs["position_ids"]):
                 torch._dynamo.mark_dynamic(t, 1)
@@ -366,13 +422,12 @@ class ModelRunner:
         # The cache's block count follows the memory budget; symbolic, one compiled graph (and
         # one disk-cache entry) serves every budget.
         torch._dynamo.mark_dynamic(meta.cache.data, 3)
-        self.compiled_steps += 1
-        if one not in self.compiled_shape_classes:
-            out = self.compiled(self.model, **inputs)
-            self.compiled_shape_classes.add(one)
-            return out
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.compiled(self.model, **inputs)
+        return inputs
+
+    @property
+    def compiling(self) -> bool:
+        """True when steps run a compiled forward (``engine.compile`` took effect)."""
+        return self.compiled is not None or self.aot is not None
 
     def _linear_layers(self) -> list[tuple[str, int]]:
         """(kind, bytes of weights and scales one forward reads) of every linear layer."""

@@ -3,15 +3,17 @@
 ``strait up`` calls :func:`warm_pools` before it starts the workers: for every engine pool with
 ``compile`` on whose compiled graphs this machine has not built yet, it runs this module in a
 child process (``python -m libs.engine.warm POOL``), which builds the engine exactly as a
-worker would and compiles both graphs, showing a progress bar; torch's inductor keeps the
-result in ``Settings.compile_cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, set for every child
-of ``strait up``), where the workers find it and start in tens of seconds instead of minutes.
+worker would and compiles both graphs, showing a progress bar. The graphs are saved under
+``Settings.compile_cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, set for every child of
+``strait up``): whole, ahead of time, with ``engine.compile_aot`` (libs/engine/aot.py), where
+the workers load them in seconds; otherwise as inductor's cache, which spares the workers
+inductor's work but not dynamo's tracing (tens of seconds instead of minutes).
 
 Whether a pool is warm is a marker file named by :func:`warm_key`: the model's files, the
 pool's engine settings, torch's version, this CPU's features and the source of every module
 that shapes the compiled graph. Anything else changing makes a new key and a new warm-up. The
-marker only decides whether to warm ahead; inductor's own cache keys decide what is reused, so
-a stale or missing cache is recompiled, never misused.
+marker only decides whether to warm ahead; the graphs' own keys (libs/engine/aot.py's, or
+inductor's) decide what is reused, so a stale or missing graph is recompiled, never misused.
 """
 
 from __future__ import annotations
@@ -25,24 +27,9 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from libs.engine import kernels
+from libs.engine import aot, kernels
 from libs.settings import PoolSettings, Settings, SpeculativeSettings
 
-# Modules whose source shapes the compiled forward (a change makes every marker stale).
-GRAPH_SOURCES = (
-    "model_runner.py",
-    "attention.py",
-    "fuse.py",
-    "kernels/cpu_kernels.cpp",
-    "kernels/ops.py",
-    "kernels/linear.py",
-    "quant/__init__.py",
-    "quant/blocks.py",
-    "quant/base.py",
-    "quant/gguf.py",
-    "quant/int4.py",
-    "quant/int8.py",
-)
 # The progress bar's scale: a first compile of SmolLM2's two graphs on 2 cores (5-8 min).
 EXPECTED_COMPILE_S = 420
 # KV budget of the warm-up engine: the cache's block count is a symbolic size of the graphs,
@@ -56,16 +43,13 @@ def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     h = hashlib.sha256()
     # The KV budget is a symbolic size of the graphs; speculation runs the same graphs (main
     # compiles without it), so neither makes a new key: a new depth or proposer is no warm-up.
-    unshaping = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative"}
-    h.update(engine.model_dump_json(exclude=unshaping).encode())
+    h.update(engine.model_dump_json(exclude=aot.UNSHAPING).encode())
     # The threads the workers will run (inductor's kernels are generated for a thread count;
     # OMP_NUM_THREADS changes it as much as engine.num_threads does).
     h.update(str(engine.threads()).encode())
     h.update(version("torch").encode())
     h.update(kernels.cpu_tag().encode())
-    here = Path(__file__).parent
-    for name in GRAPH_SOURCES:
-        h.update((here / name).read_bytes())
+    h.update(aot.sources_digest())
     for f in sorted(model_dir.glob("*.json")):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]

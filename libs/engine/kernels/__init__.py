@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,8 @@ def build(variant: str = "native") -> Any:
             from libs.engine.kernels.ops import register_fakes
 
             register_fakes()
+        # Importable by name: a graph loaded from disk (libs/engine/aot.py) finds the ops there.
+        sys.modules.setdefault(module.__name__, module)
         _loaded[variant] = module
         return module
 

@@ -1,0 +1,213 @@
+"""The compiled forward's graphs, compiled ahead of time and kept on disk (``engine.compile_aot``).
+
+Owned by :class:`~libs.engine.model_runner.ModelRunner` when ``engine.compile`` and
+``engine.compile_aot`` are on; the runner calls :meth:`AotForward.run` for every compiled step.
+A process that finds a graph on disk loads it in a few seconds: no Python bytecode is traced
+again, which is what a warm ``torch.compile`` spends most of its ~40 s on (decision 0017).
+
+Each graph (one token; several) is one file named by :func:`graph_key` and the shape class.
+The key covers everything that decides the graph without being one of its inputs: the engine
+settings that shape it, the thread count, torch's and transformers' versions, this CPU's
+features, the source of every module that shapes the graph, and the model's structure (module
+tree, parameter names, shapes and dtypes). The weights themselves are inputs: a graph built for
+one checkpoint serves another of the same structure. A graph that does not load, or whose
+guards reject the first real inputs, is compiled again and replaces the file; it is never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import json
+import logging
+import os
+import time
+import types
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from libs.engine import kernels
+from libs.settings import EngineSettings
+
+log = logging.getLogger("strait.engine")
+
+# Name of the model in the entry's globals: the compiled graph reads its parameters from there,
+# and saving hands it over as external data (the weights never go into the file).
+MODEL_GLOBAL = "_strait_model"
+# Bump when the file layout or the entry changes.
+FORMAT = 1
+# Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
+# runs the same graphs, and the artifact directory is where the graphs live, not what they are.
+UNSHAPING = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative", "compile_dir"}
+# Modules whose source shapes the compiled graph, relative to libs/engine.
+GRAPH_SOURCES = (
+    "model_runner.py",
+    "aot.py",
+    "attention.py",
+    "fuse.py",
+    "kernels/cpu_kernels.cpp",
+    "kernels/ops.py",
+    "kernels/linear.py",
+    "quant/__init__.py",
+    "quant/blocks.py",
+    "quant/base.py",
+    "quant/gguf.py",
+    "quant/int4.py",
+    "quant/int8.py",
+)
+
+
+def sources_digest() -> bytes:
+    """The source of every module in :data:`GRAPH_SOURCES`, hashed."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in GRAPH_SOURCES:
+        h.update((here / name).read_bytes())
+    return h.digest()
+
+
+def model_structure(model: torch.nn.Module) -> str:
+    """The module tree (classes and their settings) and every parameter's and buffer's name,
+    shape and dtype: what the graph assumes of the model beyond the tensors it reads."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    lines = [repr(model)]
+    lines += [f"{n} {tuple(t.shape)} {t.dtype}" for n, t in tensors]
+    config = model.config.to_dict()  # type: ignore[union-attr,operator]
+    config.pop("_name_or_path", None)
+    lines.append(json.dumps(config, sort_keys=True, default=str))
+    return "\n".join(lines)
+
+
+def graph_key(model: torch.nn.Module, settings: EngineSettings) -> str:
+    """A short hash of everything that decides the compiled graphs (see the module)."""
+    h = hashlib.sha256()
+    h.update(f"format {FORMAT}\n".encode())
+    h.update(settings.model_dump_json(exclude=UNSHAPING).encode())
+    h.update(f"threads {settings.threads()}\n".encode())
+    for pkg in ("torch", "transformers"):
+        h.update(f"{pkg} {version(pkg)}\n".encode())
+    h.update(kernels.cpu_tag().encode())
+    h.update(sources_digest())
+    h.update(model_structure(model).encode())
+    return h.hexdigest()[:20]
+
+
+def default_dir() -> Path:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, which ``strait up`` sets for
+    its children), ``strait-aot`` under it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "strait-aot"
+
+
+def _entry(model: torch.nn.Module) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """A fresh ``entry(**inputs) -> model(**inputs)`` whose globals hold ``model``; dynamo
+    records the modules it reaches through those globals, which a load must hand back."""
+
+    source = f"def entry(**inputs):\n    return {MODEL_GLOBAL}(**inputs)\n"
+    code = compile(source, "<strait-aot-entry>", "exec")
+    fn_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    g: dict[str, Any] = {"__builtins__": __builtins__, MODEL_GLOBAL: model}
+    return types.FunctionType(fn_code, g, "entry"), g
+
+
+class AotForward:
+    """The runner's two compiled graphs: loaded from ``directory`` when there, compiled from an
+    example of the step's inputs and saved there when not."""
+
+    def __init__(
+        self, model: torch.nn.Module, settings: EngineSettings, directory: Path | None = None
+    ) -> None:
+        self.model = model
+        self.key = graph_key(model, settings)
+        self.dir = directory or default_dir()
+        self.graphs: dict[bool, Any] = {}  # one token? -> AOTCompiledFunction
+        self.loaded: set[bool] = set()  # graphs read from disk (not compiled by this process)
+
+    def path(self, one: bool) -> Path:
+        return self.dir / f"{self.key}-{'one' if one else 'many'}.pt"
+
+    def run(self, one: bool, inputs: dict[str, Any], example: Callable[[], dict[str, Any]]) -> Any:
+        """The forward over ``inputs`` through the graph of its shape class. The first call of a
+        class loads its graph, or compiles it from ``example()`` (fresh tensors, their varying
+        sizes marked dynamic) and saves it, and checks every guard against ``inputs``; later
+        calls check none (nothing they test changes after start; the runner picks the class)."""
+        fn = self.graphs.get(one)
+        if fn is not None:
+            return fn(**inputs)
+        fn = self._load(one)
+        if fn is not None and not fn.guard_check(**inputs):
+            log.warning(
+                "engine.compile_aot: %s does not fit this engine; compiling", self.path(one)
+            )
+            fn = None
+        if fn is None:
+            fn = self._compile(one, example())
+            if not fn.guard_check(**inputs):
+                raise RuntimeError("engine.compile_aot: a fresh graph rejects the step it serves")
+        else:
+            self.loaded.add(one)
+        fn.disable_guard_check()
+        self.graphs[one] = fn
+        return fn(**inputs)
+
+    def _load(self, one: bool) -> Any | None:
+        path = self.path(one)
+        if not path.exists():
+            return None
+        t0 = time.perf_counter()
+        try:
+            refs = json.loads(path.with_suffix(".json").read_text())
+            # The modules dynamo reached through the entry's globals, under the names it gave them.
+            f_globals: dict[str, Any] = {MODEL_GLOBAL: self.model}
+            for name, module in refs["modules"].items():
+                f_globals[name] = importlib.import_module(module)
+            with path.open("rb") as f:
+                fn = torch.compiler.load_compiled_function(
+                    f, f_globals=f_globals, external_data={MODEL_GLOBAL: self.model}
+                )
+        except Exception as e:  # any unreadable artifact is rebuilt, never fatal
+            log.warning("engine.compile_aot: cannot load %s (%s); compiling", path, e)
+            return None
+        log.info("engine.compile_aot: loaded %s in %.1f s", path.name, time.perf_counter() - t0)
+        return fn
+
+    def _compile(self, one: bool, example: dict[str, Any]) -> Any:
+        entry, g = _entry(self.model)
+        compiled = torch.compile(
+            entry,
+            fullgraph=True,
+            options={
+                "cpp_wrapper": True,
+                # Only guards that survive a save (tensor sizes, dtypes, devices); the rest test
+                # the model's modules, which the key covers and which never change after start.
+                "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe,
+            },
+        )
+        t0 = time.perf_counter()
+        fn = compiled.aot_compile(((), example))  # type: ignore[attr-defined]
+        log.info(
+            "engine.compile_aot: compiled the %s graph in %.1f s",
+            "one-token" if one else "several-token",
+            time.perf_counter() - t0,
+        )
+        modules = {
+            k: v.__name__ for k, v in g.items() if k.startswith("___") and isinstance(v, ModuleType)
+        }
+        path = self.path(one)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # The sidecar first: a graph file on disk always has its sidecar (both atomic).
+            tmp = path.with_suffix(f".json.{os.getpid()}")
+            tmp.write_text(json.dumps({"modules": modules}))
+            tmp.replace(path.with_suffix(".json"))
+            fn.save_compiled_function(str(path), external_data={MODEL_GLOBAL: self.model})
+        except Exception as e:  # an unwritable cache costs a compile next start
+            log.warning("engine.compile_aot: cannot save %s (%s)", path, e)
+        return fn
