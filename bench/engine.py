@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         print("compiling the forward (~5 min; cached on disk for later runs)...", flush=True)
     engine = LLMEngine(engine_model, tokenizer, engine_settings, args.model)
     report.settings["cpu_kernels_in_use"] = engine.runner.kernels is not None
-    compiled = " + torch.compile" if engine.runner.compiled is not None else ""
+    compiled = " + torch.compile" if engine.runner.compiling else ""
     print(f"engine kernels: {'Strait CPU' if engine.runner.kernels else 'torch'}{compiled}")
     print(f"weights: {engine.runner.weights_summary()}")
     report.settings["weights"] = engine.runner.weights_summary()
