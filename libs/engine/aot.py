@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from libs.engine import kernels
+from libs.engine.warm import UNSHAPING, sources_digest
 from libs.settings import EngineSettings
 
 log = logging.getLogger("strait.engine")
@@ -42,34 +43,6 @@ log = logging.getLogger("strait.engine")
 MODEL_GLOBAL = "_strait_model"
 # Bump when the file layout or the entry changes.
 FORMAT = 1
-# Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
-# runs the same graphs, and the artifact directory is where the graphs live, not what they are.
-UNSHAPING = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative", "compile_dir"}
-# Modules whose source shapes the compiled graph, relative to libs/engine.
-GRAPH_SOURCES = (
-    "model_runner.py",
-    "aot.py",
-    "attention.py",
-    "fuse.py",
-    "kernels/cpu_kernels.cpp",
-    "kernels/ops.py",
-    "kernels/linear.py",
-    "quant/__init__.py",
-    "quant/blocks.py",
-    "quant/base.py",
-    "quant/gguf.py",
-    "quant/int4.py",
-    "quant/int8.py",
-)
-
-
-def sources_digest() -> bytes:
-    """The source of every module in :data:`GRAPH_SOURCES`, hashed."""
-    h = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in GRAPH_SOURCES:
-        h.update((here / name).read_bytes())
-    return h.digest()
 
 
 def model_structure(model: torch.nn.Module) -> str:

@@ -27,8 +27,38 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from libs.engine import aot, kernels
+from libs.engine import kernels
 from libs.settings import PoolSettings, Settings, SpeculativeSettings
+
+# Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
+# runs the same graphs, and the artifact directory is where the graphs live, not what they are.
+UNSHAPING = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative", "compile_dir"}
+# Modules whose source shapes the compiled graph, relative to libs/engine.
+GRAPH_SOURCES = (
+    "model_runner.py",
+    "aot.py",
+    "attention.py",
+    "fuse.py",
+    "kernels/cpu_kernels.cpp",
+    "kernels/ops.py",
+    "kernels/linear.py",
+    "quant/__init__.py",
+    "quant/blocks.py",
+    "quant/base.py",
+    "quant/gguf.py",
+    "quant/int4.py",
+    "quant/int8.py",
+)
+
+
+def sources_digest() -> bytes:
+    """The source of every module in :data:`GRAPH_SOURCES`, hashed."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in GRAPH_SOURCES:
+        h.update((here / name).read_bytes())
+    return h.digest()
+
 
 # The progress bar's scale: a first compile of SmolLM2's two graphs on 2 cores (5-8 min).
 EXPECTED_COMPILE_S = 420
@@ -43,13 +73,13 @@ def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     h = hashlib.sha256()
     # The KV budget is a symbolic size of the graphs; speculation runs the same graphs (main
     # compiles without it), so neither makes a new key: a new depth or proposer is no warm-up.
-    h.update(engine.model_dump_json(exclude=aot.UNSHAPING).encode())
+    h.update(engine.model_dump_json(exclude=UNSHAPING).encode())
     # The threads the workers will run (inductor's kernels are generated for a thread count;
     # OMP_NUM_THREADS changes it as much as engine.num_threads does).
     h.update(str(engine.threads()).encode())
     h.update(version("torch").encode())
     h.update(kernels.cpu_tag().encode())
-    h.update(aot.sources_digest())
+    h.update(sources_digest())
     for f in sorted(model_dir.glob("*.json")):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
