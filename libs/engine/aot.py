@@ -16,6 +16,7 @@ guards reject the first real inputs, is compiled again and replaces the file; it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import itertools
@@ -41,6 +42,9 @@ log = logging.getLogger("strait.engine")
 # Name of the model in the entry's globals: the compiled graph reads its parameters from there,
 # and saving hands it over as external data (the weights never go into the file).
 MODEL_GLOBAL = "_strait_model"
+# A graph file no engine loaded or saved for this long is deleted at the next save (a file's
+# mtime is touched at every load): a changed key leaves its old files behind otherwise.
+UNUSED_GRAPH_MAX_AGE_S = 14 * 24 * 3600
 # Bump when the file layout or the entry changes.
 FORMAT = 1
 
@@ -69,6 +73,20 @@ def graph_key(model: torch.nn.Module, settings: EngineSettings) -> str:
     h.update(sources_digest())
     h.update(model_structure(model).encode())
     return h.hexdigest()[:20]
+
+
+def prune(directory: Path, max_age_s: float = UNUSED_GRAPH_MAX_AGE_S) -> list[Path]:
+    """Delete the graphs (and sidecars) no engine has loaded or saved for ``max_age_s``: those
+    of old keys, which nothing will load again. Called after each save; returns what went."""
+    cutoff = time.time() - max_age_s
+    gone = []
+    for f in directory.glob("*.pt"):
+        with contextlib.suppress(OSError):
+            if f.stat().st_mtime < cutoff:
+                f.unlink()
+                f.with_suffix(".json").unlink(missing_ok=True)
+                gone.append(f)
+    return gone
 
 
 def default_dir() -> Path:
@@ -149,6 +167,8 @@ class AotForward:
             log.warning("engine.compile_aot: cannot load %s (%s); compiling", path, e)
             return None
         log.info("engine.compile_aot: loaded %s in %.1f s", path.name, time.perf_counter() - t0)
+        with contextlib.suppress(OSError):  # in use: not pruned (see prune)
+            os.utime(path)
         return fn
 
     def _compile(self, one: bool, example: dict[str, Any]) -> Any:
@@ -181,6 +201,7 @@ class AotForward:
             tmp.write_text(json.dumps({"modules": modules}))
             tmp.replace(path.with_suffix(".json"))
             fn.save_compiled_function(str(path), external_data={MODEL_GLOBAL: self.model})
+            prune(self.dir)
         except Exception as e:  # an unwritable cache costs a compile next start
             log.warning("engine.compile_aot: cannot save %s (%s)", path, e)
         return fn

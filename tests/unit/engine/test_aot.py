@@ -4,7 +4,9 @@ not fit is compiled again, never run."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +108,15 @@ def test_the_key_changes_with_what_shapes_the_graph_and_only_that() -> None:
         assert aot.graph_key(model, settings.model_copy(update=changed)) != key, changed
     assert aot.graph_key(tiny_model("qwen2"), settings) != key
     assert aot.graph_key(tiny_model("llama", vocab_size=TINY_VOCAB + 8), settings) != key
+
+
+def test_graphs_unused_for_two_weeks_are_pruned_and_loaded_ones_kept(tmp_path: Path) -> None:
+    old, used = tmp_path / "old-one.pt", tmp_path / "used-one.pt"
+    for f in (old, used):
+        f.write_bytes(b"graph")
+        f.with_suffix(".json").write_text("{}")
+        past = time.time() - aot.UNUSED_GRAPH_MAX_AGE_S - 60
+        os.utime(f, (past, past))
+    os.utime(used)  # what a load does
+    assert aot.prune(tmp_path) == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["used-one.json", "used-one.pt"]
