@@ -308,9 +308,9 @@ class EngineSettings(BaseModel):
     # cannot, "off" runs torch's kernels only.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # torch.compile the forward (with the CPU kernels): fuses transformers' small ops and drops
-    # most per-op Python overhead; compiles at start (5-8 min on 2 cores the first time, ~30 s
-    # from inductor's disk cache; `strait up` compiles ahead, libs/engine/warm.py). Decisions
-    # 0006, 0007.
+    # most per-op Python overhead; compiles at start (5-8 min on 2 cores the first time, then
+    # loads the saved graphs, see compile_aot; `strait up` compiles ahead, libs/engine/warm.py).
+    # Decisions 0006, 0007.
     compile: bool = False
     # With `compile`: keep the compiled graphs on disk ahead of time (libs/engine/aot.py,
     # decision 0017) and load them at start (~2-3 s) instead of re-tracing the model through
