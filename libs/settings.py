@@ -313,7 +313,7 @@ class EngineSettings(BaseModel):
     # Decisions 0006, 0007.
     compile: bool = False
     # With `compile`: keep the compiled graphs on disk ahead of time (libs/engine/aot.py,
-    # decision 0017) and load them at start (~2-3 s) instead of re-tracing the model through
+    # decision 0017) and load them at start (2.4-3.5 s measured) instead of re-tracing the model through
     # dynamo on every start (~40 s on 2 cores even with inductor's cache warm).
     compile_aot: bool = True
     # Where those graphs live; "" is `strait-aot` under inductor's cache directory

@@ -26,15 +26,13 @@ import os
 import time
 import types
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from libs.engine import kernels
-from libs.engine.warm import UNSHAPING, sources_digest
+from libs.engine.warm import engine_digest
 from libs.settings import EngineSettings
 
 log = logging.getLogger("strait.engine")
@@ -63,14 +61,8 @@ def model_structure(model: torch.nn.Module) -> str:
 
 def graph_key(model: torch.nn.Module, settings: EngineSettings) -> str:
     """A short hash of everything that decides the compiled graphs (see the module)."""
-    h = hashlib.sha256()
-    h.update(f"format {FORMAT}\n".encode())
-    h.update(settings.model_dump_json(exclude=UNSHAPING).encode())
-    h.update(f"threads {settings.threads()}\n".encode())
-    for pkg in ("torch", "transformers"):
-        h.update(f"{pkg} {version(pkg)}\n".encode())
-    h.update(kernels.cpu_tag().encode())
-    h.update(sources_digest())
+    h = hashlib.sha256(f"format {FORMAT}\n".encode())
+    h.update(engine_digest(settings))
     h.update(model_structure(model).encode())
     return h.hexdigest()[:20]
 

@@ -9,11 +9,12 @@ worker would and compiles both graphs, showing a progress bar. The graphs are sa
 the workers load them in seconds; otherwise as inductor's cache, which spares the workers
 inductor's work but not dynamo's tracing (tens of seconds instead of minutes).
 
-Whether a pool is warm is a marker file named by :func:`warm_key`: the model's files, the
-pool's engine settings, torch's version, this CPU's features and the source of every module
-that shapes the compiled graph. Anything else changing makes a new key and a new warm-up. The
-marker only decides whether to warm ahead; the graphs' own keys (libs/engine/aot.py's, or
-inductor's) decide what is reused, so a stale or missing graph is recompiled, never misused.
+Whether a pool is warm is a marker file named by :func:`warm_key`: the model's files and
+:func:`engine_digest` (the pool's engine settings, torch's and transformers' versions, this
+CPU's features, the source of every module that shapes the compiled graph). Anything else
+changing makes a new key and a new warm-up. The marker only decides whether to warm ahead; the
+graphs' own keys (libs/engine/aot.py's, or inductor's) decide what is reused, so a stale or
+missing graph is recompiled, never misused.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from libs.engine import kernels
-from libs.settings import PoolSettings, Settings, SpeculativeSettings
+from libs.settings import EngineSettings, PoolSettings, Settings, SpeculativeSettings
 
 # Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
 # runs the same graphs, and the artifact directory is where the graphs live, not what they are.
@@ -51,9 +52,19 @@ GRAPH_SOURCES = (
 )
 
 
-def sources_digest() -> bytes:
-    """The source of every module in :data:`GRAPH_SOURCES`, hashed."""
+def engine_digest(engine: EngineSettings) -> bytes:
+    """What decides a pool's compiled graphs apart from its model: the engine settings that
+    shape them, the thread count, torch's and transformers' versions, this CPU's features and
+    the source of every module in :data:`GRAPH_SOURCES`. Shared by :func:`warm_key` and
+    :func:`libs.engine.aot.graph_key`."""
     h = hashlib.sha256()
+    h.update(engine.model_dump_json(exclude=UNSHAPING).encode())
+    # The threads the workers will run (inductor's kernels are generated for a thread count;
+    # OMP_NUM_THREADS changes it as much as engine.num_threads does).
+    h.update(f"threads {engine.threads()}\n".encode())
+    for pkg in ("torch", "transformers"):
+        h.update(f"{pkg} {version(pkg)}\n".encode())
+    h.update(kernels.cpu_tag().encode())
     here = Path(__file__).parent
     for name in GRAPH_SOURCES:
         h.update((here / name).read_bytes())
@@ -69,17 +80,7 @@ WARM_KV_BYTES = 64 * 2**20
 
 def warm_key(settings: Settings, pool: PoolSettings, model_dir: Path) -> str:
     """A short hash of everything that decides the pool's compiled graphs (see the module)."""
-    engine = settings.engine_for(pool)
-    h = hashlib.sha256()
-    # The KV budget is a symbolic size of the graphs; speculation runs the same graphs (main
-    # compiles without it), so neither makes a new key: a new depth or proposer is no warm-up.
-    h.update(engine.model_dump_json(exclude=UNSHAPING).encode())
-    # The threads the workers will run (inductor's kernels are generated for a thread count;
-    # OMP_NUM_THREADS changes it as much as engine.num_threads does).
-    h.update(str(engine.threads()).encode())
-    h.update(version("torch").encode())
-    h.update(kernels.cpu_tag().encode())
-    h.update(sources_digest())
+    h = hashlib.sha256(engine_digest(settings.engine_for(pool)))
     for f in sorted(model_dir.glob("*.json")):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
