@@ -15,6 +15,7 @@ Data flow (see docs/architecture.md):
     worker --KvEvent--> <prefix>.kv_events.<worker_id>
     services --UsageEvent/RouteDecision--> JetStream <prefix>.events.<kind>  (stream STRAIT_EVENTS)
     any service --DeadLetter--> <prefix>.deadletter   (malformed input with no reply subject)
+    planner --PlanDecision--> <prefix>.planner.decision.<pool>.<role>  (actuators)
     prefill --CacheLookup/CacheFetch/CacheStore--> <prefix>.cache.{lookup,fetch,store}
     cache --CacheEvent--> JetStream <prefix>.cache.events  (stream STRAIT_CACHE_EVENTS)
 """
@@ -528,6 +529,36 @@ class HandoffAbort(Struct, kw_only=True):
     reason: str = ""
 
 
+# ---------------------------------------------------------------- planner
+
+PlanRole = Literal["aggregated", "prefill", "decode"]
+
+
+class PlanDecision(Struct, kw_only=True):
+    """The planner (``strait planner``) → ``Subjects.plan(pool, role)`` every
+    ``planner.interval_s``: the workers of one role a pool should have now. A level, not a
+    step: an actuator sets the count to ``replicas`` (starting workers, or draining the
+    surplus), and with no decision (the planner gone) keeps what runs. ``reason`` is a code
+    (docs/planner.md lists them); ``factors`` the inputs that decided it."""
+
+    v: int = PROTOCOL_VERSION
+    pool: str
+    role: PlanRole
+    replicas: Annotated[int, msgspec.Meta(ge=0)]
+    current: int = 0  # live, not draining workers of the role seen in beats
+    reason: str
+    factors: list[str] = msgspec.field(default_factory=list)
+    arrival_rps: float = 0.0  # measured over the last bucket
+    forecast_rps: float = 0.0  # the forecast's peak over planner.horizon_s
+    queue: int = 0  # requests waiting in the role's workers
+    worker_rps: float = 0.0  # requests a second one worker serves within the SLO
+    capacity: Literal["measured", "prior"] = "prior"
+    ttft_s: float | None = None  # at planner.slo_quantile, recent finished requests
+    itl_s: float | None = None
+    planner_id: str = ""
+    ts: float = msgspec.field(default_factory=time.time)
+
+
 # ---------------------------------------------------------------- events (JetStream)
 
 
@@ -820,6 +851,13 @@ class Subjects:
     def stream_owner(self) -> str:
         return f"{self.prefix}.handoff.owner"
 
+    def plan(self, pool: str, role: str) -> str:
+        return f"{self.prefix}.planner.decision.{pool}.{role}"
+
+    @property
+    def plans_all(self) -> str:
+        return f"{self.prefix}.planner.decision.>"
+
     @property
     def deadletter(self) -> str:
         return f"{self.prefix}.deadletter"
@@ -962,6 +1000,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "UsageEvent": UsageEvent,
     "RouteDecision": RouteDecision,
     "DeadLetter": DeadLetter,
+    "PlanDecision": PlanDecision,
     "CacheLookup": CacheLookup,
     "CacheLookupReply": CacheLookupReply,
     "CacheFetch": CacheFetch,

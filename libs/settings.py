@@ -427,6 +427,92 @@ class RuntimeSettings(BaseModel):
     gc_sweep_interval_s: float = Field(default=600.0, ge=0)
 
 
+class PoolPlanSettings(BaseModel):
+    """One pool's sizing rules for the planner (docs/planner.md). Counts are worker processes
+    of one role: aggregated (or decode) workers, and prefill workers of a disaggregated pool."""
+
+    # Bounds. min_replicas = 0 lets the pool scale to zero after `planner.idle_to_zero_s`
+    # without arrivals (its next request then waits a worker's start, or gets no_worker).
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    min_prefill_replicas: int = Field(default=1, ge=0)
+    max_prefill_replicas: int = Field(default=4, ge=1)
+    # The SLO the pool is sized for: time to first token as the client sees it (router queue
+    # + worker), and time between tokens, both at `planner.slo_quantile`.
+    ttft_slo_s: float = Field(default=2.0, gt=0)
+    itl_slo_s: float = Field(default=0.1, gt=0)
+    # Priors until a worker's capacity is measured (`planner.min_samples` finished requests):
+    # sequences one worker runs within the ITL SLO (0: the capacity its beats report), seconds
+    # a request holds a worker, and prompt tokens a second one prefill worker computes.
+    prior_concurrency: int = Field(default=0, ge=0)
+    prior_service_s: float = Field(default=5.0, gt=0)
+    prior_prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolPlanSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("planner: min_replicas exceeds max_replicas")
+        if self.min_prefill_replicas > self.max_prefill_replicas:
+            raise ValueError("planner: min_prefill_replicas exceeds max_prefill_replicas")
+        return self
+
+
+class PlannerSettings(BaseModel):
+    """The planner (`strait planner`, services/planner, docs/planner.md): forecasts each pool's
+    arrivals and publishes the replicas it needs; an actuator applies them. Advisory: without
+    decisions (the planner stopped) every actuator keeps the fleet's current size."""
+
+    # `strait up` starts the planner and lets it resize the pools (local actuator); off, the
+    # fleet is the size `pools[].workers` says.
+    enabled: bool = False
+    # Who applies the decisions the planner publishes: "local" (the `strait up` supervisor
+    # subscribes), "kubernetes" (the planner sets Deployment replicas itself), "none" (advice).
+    actuator: Literal["local", "kubernetes", "none"] = "local"
+    # Seconds between decisions; seconds of one step of the arrival series the forecast reads,
+    # and how much of it is kept.
+    interval_s: float = Field(default=2.0, gt=0)
+    bucket_s: float = Field(default=5.0, gt=0)
+    history_s: float = Field(default=900.0, gt=0)
+    # Seconds ahead the pool is sized for: at least a new worker's start-up, so capacity is
+    # ready when the forecast load arrives.
+    horizon_s: float = Field(default=60.0, gt=0)
+    # "holt" (damped-trend exponential smoothing), "arima", "ewma", "last"; docs/planner.md
+    # has each one's measured error on the shipped traces (bench/planner_forecast.py).
+    forecast_method: Literal["holt", "arima", "ewma", "last"] = "holt"
+    # Buckets of history below which the forecast is the recent mean (no model fitted).
+    min_history_buckets: int = Field(default=6, ge=2)
+    # Share of a worker's capacity at the SLO that the plan fills (headroom for noise).
+    target_utilization: float = Field(default=0.8, gt=0, le=1)
+    # Quantile of TTFT and ITL compared with the pool's SLO.
+    slo_quantile: float = Field(default=0.9, gt=0, lt=1)
+    # Seconds after a change before the next scale-up / scale-down; a scale-down also needs
+    # every decision of the last `scale_down_stable_s` to have wanted fewer workers.
+    scale_up_cooldown_s: float = Field(default=5.0, ge=0)
+    scale_down_cooldown_s: float = Field(default=60.0, ge=0)
+    scale_down_stable_s: float = Field(default=60.0, ge=0)
+    # Workers removed by one scale-down decision (each drains: nothing running is dropped).
+    max_scale_down_step: int = Field(default=1, ge=1)
+    # A pool with min_replicas = 0 goes to zero after this long without an arrival.
+    idle_to_zero_s: float = Field(default=300.0, gt=0)
+    # Finished requests (per pool and role) before measured capacity replaces the priors, and
+    # how many recent ones are kept.
+    min_samples: int = Field(default=20, ge=1)
+    max_samples: int = Field(default=2000, ge=10)
+    # An actuator ignores a decision older than this (a planner's clock or a stale message).
+    decision_max_age_s: float = Field(default=30.0, gt=0)
+    # Kubernetes actuator: the namespace, and the Deployments of each pool's roles.
+    kubernetes_namespace: str = "strait"
+    kubernetes_deployment: str = "strait-worker-{pool}"
+    kubernetes_prefill_deployment: str = "strait-prefill-{pool}"
+    metrics_port: int = 9103  # /health, /ready, /metrics; 0: no HTTP listener
+    default: PoolPlanSettings = Field(default_factory=PoolPlanSettings)
+    # Per pool by name; a pool not named here gets `default`.
+    pools: dict[str, PoolPlanSettings] = Field(default_factory=dict)
+
+    def for_pool(self, name: str) -> PoolPlanSettings:
+        return self.pools.get(name, self.default)
+
+
 class ModelsSettings(BaseModel):
     # Where converted models live; ignored by git.
     dir: str = ".strait/models"
@@ -474,6 +560,7 @@ class Settings(BaseSettings):
     teams: TeamsSettings = Field(default_factory=TeamsSettings)
     pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
     state_dir: str = Field(
         default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
     )
