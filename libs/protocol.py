@@ -547,6 +547,9 @@ class PlanDecision(Struct, kw_only=True):
     replicas: Annotated[int, msgspec.Meta(ge=0)]
     current: int = 0  # live, not draining workers of the role seen in beats
     reason: str
+    # What set the size before bounds and cooldowns: "forecast", "queue", "ttft_slo",
+    # "min_bound", "idle", "wake" (docs/planner.md).
+    driver: str = ""
     factors: list[str] = msgspec.field(default_factory=list)
     arrival_rps: float = 0.0  # measured over the last bucket
     forecast_rps: float = 0.0  # the forecast's peak over planner.horizon_s

@@ -481,6 +481,9 @@ class PlannerSettings(BaseModel):
     forecast_method: Literal["holt", "arima", "ewma", "last"] = "holt"
     # Buckets of history below which the forecast is the recent mean (no model fitted).
     min_history_buckets: int = Field(default=6, ge=2)
+    # The plan sizes for the forecast's peak plus this many standard deviations of the
+    # series' bucket-to-bucket noise (a forecast is a mean; arrivals scatter around it).
+    forecast_z: float = Field(default=1.0, ge=0)
     # Share of a worker's capacity at the SLO that the plan fills (headroom for noise).
     target_utilization: float = Field(default=0.8, gt=0, le=1)
     # Quantile of TTFT and ITL compared with the pool's SLO.

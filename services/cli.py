@@ -3,6 +3,7 @@
 strait up                    the whole fleet on this machine (foreground)
 strait gateway|router|prefill|decode|cache
                              one service (for compose and Kubernetes)
+strait planner               size every pool ahead of its load (docs/planner.md)
 strait up --secure           the same behind a secured nats-server (accounts per team, TLS)
 strait keys create|list|revoke
 strait teams add|list|revoke teams on NATS: credentials and the server's accounts
@@ -24,7 +25,7 @@ import msgspec
 
 from libs.settings import Settings, get_settings
 
-SERVICES = ("gateway", "router", "prefill", "decode", "cache")
+SERVICES = ("gateway", "router", "prefill", "decode", "cache", "planner")
 # Seconds `strait teams` waits to tell the running fleet of a change.
 ANNOUNCE_TIMEOUT_S = 5.0
 
@@ -258,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.cache.main import main as cache_main
 
         return cache_main(settings)
+    if args.cmd == "planner":
+        from services.planner.main import main as planner_main
+
+        return planner_main(settings)
     if args.cmd == "keys":
         return _keys(args)
     if args.cmd == "teams":

@@ -1,0 +1,181 @@
+"""Actuators: what turns a ``PlanDecision`` into running workers. One interface, two kinds.
+
+- ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor.py). It subscribes
+  to the planner's decisions on a thread of its own and hands each fresh one to the fleet's
+  ``scale(pool, role, replicas)``, which starts workers or drains the surplus (SIGTERM: the
+  worker's own drain, so nothing running is dropped).
+- ``KubernetesActuator``: inside the planner (``planner.actuator = "kubernetes"``); sets the
+  ``replicas`` of each pool role's Deployment through the scale subresource with the
+  ``kubernetes`` client (decision 0018). Pod termination is the same drain.
+
+Both ignore decisions older than ``planner.decision_max_age_s`` and do nothing when no decision
+comes: a planner that dies leaves the fleet the size it was (advisory-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from nats.aio.msg import Msg
+
+from libs.log import fields
+from libs.protocol import PlanDecision, ProtocolError, Subjects, decode
+from libs.settings import Settings
+
+log = logging.getLogger("strait.planner.actuator")
+
+
+class Actuator(Protocol):
+    def apply(self, decision: PlanDecision) -> None:
+        """Make the pool role's worker count ``decision.replicas`` (idempotent)."""
+
+
+def fresh(decision: PlanDecision, max_age_s: float, now: float | None = None) -> bool:
+    return (time.time() if now is None else now) - decision.ts <= max_age_s
+
+
+# ---------------------------------------------------------------- local (strait up)
+
+
+class WorkerSet(Protocol):
+    """What the local actuator drives: the supervisor's fleet."""
+
+    def scale(self, pool: str, role: str, replicas: int, reason: str) -> None: ...
+
+
+class LocalActuator:
+    """Applies decisions to ``strait up``'s children. ``apply`` is called on the supervisor's
+    own thread (``poll``); the NATS subscription runs on a daemon thread and only queues."""
+
+    def __init__(self, settings: Settings, fleet: WorkerSet) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self._latest: dict[tuple[str, str], PlanDecision] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.connected = threading.Event()
+
+    def apply(self, decision: PlanDecision) -> None:
+        if not fresh(decision, self.settings.planner.decision_max_age_s):
+            log.info("stale plan ignored", extra=fields(pool=decision.pool, role=decision.role))
+            return
+        self.fleet.scale(decision.pool, decision.role, decision.replicas, decision.reason)
+
+    def poll(self) -> None:
+        """Apply the newest decision received for each pool role since the last poll."""
+        with self._lock:
+            batch, self._latest = list(self._latest.values()), {}
+        for d in batch:
+            self.apply(d)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="plan-listener", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        asyncio.run(self._listen())
+
+    async def _listen(self) -> None:
+        from libs.nats_util import connect
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        nc = await connect(self.settings.nats, "supervisor-plans")
+        subjects = Subjects(self.settings.nats.subject_prefix)
+
+        async def on_plan(msg: Msg) -> None:
+            try:
+                d = decode(msg.data, PlanDecision)
+            except ProtocolError as e:
+                log.warning("bad plan", extra=fields(subject=msg.subject, error=str(e)))
+                return
+            with self._lock:
+                self._latest[(d.pool, d.role)] = d
+
+        await nc.subscribe(subjects.plans_all, cb=on_plan)
+        await nc.flush()
+        self.connected.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await nc.close()
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+class KubernetesActuator:
+    """Sets Deployment replicas through ``apps/v1 deployments/scale`` (decision 0018).
+
+    ``api`` is a ``kubernetes.client.AppsV1Api`` (in-cluster config by default). Each role of a
+    pool maps to one Deployment (``planner.kubernetes_deployment`` /
+    ``kubernetes_prefill_deployment`` with ``{pool}``); a decode role of a disaggregated pool
+    is the pool's worker Deployment. A replicas value already in place is not written again.
+    """
+
+    def __init__(self, settings: Settings, api: Any = None) -> None:
+        self.cfg = settings.planner
+        if api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.AppsV1Api()
+        self.api = api
+        self._applied: dict[str, int] = {}
+
+    def deployment(self, pool: str, role: str) -> str:
+        template = (
+            self.cfg.kubernetes_prefill_deployment
+            if role == "prefill"
+            else self.cfg.kubernetes_deployment
+        )
+        return template.format(pool=pool)
+
+    def apply(self, decision: PlanDecision) -> None:
+        if not fresh(decision, self.cfg.decision_max_age_s):
+            return
+        name = self.deployment(decision.pool, decision.role)
+        ns = self.cfg.kubernetes_namespace
+        scale = self.api.read_namespaced_deployment_scale(name, ns)
+        now = int(scale.spec.replicas or 0)
+        if now == decision.replicas:
+            self._applied[name] = now
+            return
+        self.api.patch_namespaced_deployment_scale(
+            name, ns, {"spec": {"replicas": decision.replicas}}
+        )
+        self._applied[name] = decision.replicas
+        log.info(
+            "deployment scaled",
+            extra=fields(
+                deployment=name,
+                namespace=ns,
+                replicas_from=now,
+                replicas=decision.replicas,
+                reason=decision.reason,
+            ),
+        )
+
+
+def build_actuator(settings: Settings) -> Callable[[PlanDecision], None] | None:
+    """The in-planner actuator (``kubernetes``), or None (``local`` applies in the supervisor,
+    ``none`` nowhere)."""
+    if settings.planner.actuator == "kubernetes":
+        return KubernetesActuator(settings).apply
+    return None

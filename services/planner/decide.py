@@ -1,0 +1,158 @@
+"""The planner's rules: from a pool role's load, its workers' capacity and its SLO, the workers
+it needs; then bounds, cooldowns and scale-to-zero. Pure functions, no I/O.
+
+Sizing (``need``), each term in workers of the role, the largest wins (its name is the
+decision's ``driver``):
+
+- ``forecast``: the forecast's peak over the horizon (plus its noise margin) over what one
+  worker serves within the SLO, filled to ``target_utilization``;
+- ``queue``: today's arrivals plus the requests waiting in the workers, to be cleared within
+  the TTFT SLO, over the same capacity (the reactive term: what no forecast saw coming);
+- ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
+  now, whatever the arithmetic says (the capacity estimate is wrong).
+
+Then (``settle``): bounds (``min_bound`` / ``max_bound``); a pool allowed to reach zero
+(min 0) goes there after ``idle_to_zero_s`` without an arrival, and wakes with one worker at
+the first sign of demand; up is held for ``scale_up_cooldown_s`` after a change; down needs
+every decision of the last ``scale_down_stable_s`` to have wanted fewer, waits
+``scale_down_cooldown_s`` after a change, and removes at most ``max_scale_down_step`` workers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from libs.settings import PlannerSettings
+
+# Below this many requests a second, a forecast is no load (a fit's leftover noise).
+NO_LOAD_RPS = 1e-3
+
+
+@dataclass(frozen=True)
+class Load:
+    """One role of one pool, now."""
+
+    forecast_rps: float  # peak over the horizon, margin included
+    arrival_rps: float  # the last complete bucket
+    queue: int  # requests waiting in the role's workers
+    busy: int  # requests running in them
+    ttft_s: float | None  # at the SLO quantile; None before any finished request
+    idle_s: float  # seconds since the pool's last arrival
+    demand_while_zero: bool = False  # a request for the pool arrived while it had no worker
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one worker of the role serves within the SLO."""
+
+    worker_rps: float
+    concurrency: int
+    service_s: float
+    source: str  # "measured" | "prior"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    low: int
+    high: int
+    ttft_slo_s: float
+
+
+@dataclass
+class RoleState:
+    """What the rules remember of one pool role between decisions."""
+
+    target: int | None = None  # the last decision (None: none yet; start from what runs)
+    last_change: float = -math.inf
+    below_since: float | None = None  # when decisions began to want fewer than ``target``
+
+
+@dataclass
+class Verdict:
+    replicas: int
+    reason: str
+    driver: str
+    factors: list[str] = field(default_factory=list)
+
+
+def need(load: Load, cap: Capacity, bounds: Bounds, current: int, util: float) -> tuple[int, str]:
+    """Workers the load needs now and what set it (before bounds and cooldowns)."""
+    per_worker = max(cap.worker_rps * util, 1e-9)
+    terms = {
+        "forecast": math.ceil(load.forecast_rps / per_worker - 1e-9)
+        if load.forecast_rps > NO_LOAD_RPS
+        else 0,
+        "queue": math.ceil((load.arrival_rps + load.queue / bounds.ttft_slo_s) / per_worker - 1e-9)
+        if load.queue > 0
+        else 0,
+        "ttft_slo": current + 1
+        if load.queue > 0 and load.ttft_s is not None and load.ttft_s > bounds.ttft_slo_s
+        else 0,
+    }
+    # Requests running now keep their workers busy whatever the forecast says.
+    terms["busy"] = math.ceil(load.busy / max(cap.concurrency, 1)) if load.busy else 0
+    driver = max(terms, key=lambda k: terms[k])
+    return terms[driver], driver if terms[driver] > 0 else "idle"
+
+
+def settle(
+    wanted: int,
+    driver: str,
+    load: Load,
+    bounds: Bounds,
+    state: RoleState,
+    current: int,
+    now: float,
+    cfg: PlannerSettings,
+) -> Verdict:
+    """Bounds, scale-to-zero, cooldowns; updates ``state`` and returns the decision."""
+    base = state.target if state.target is not None else current
+    factors = [f"need={wanted}", f"base={base}"]
+    if bounds.low == 0 and wanted == 0:
+        if base > 0 and load.idle_s < cfg.idle_to_zero_s:
+            wanted, driver = 1, "idle"  # not idle long enough to go to zero
+    if base == 0 and (load.demand_while_zero or load.arrival_rps > 0) and wanted < 1:
+        wanted, driver = 1, "wake"
+    clamped = min(max(wanted, bounds.low), bounds.high)
+    if clamped != wanted:
+        factors.append(f"unclamped={wanted}")
+        driver = "min_bound" if clamped > wanted else driver
+    reason_bound = "max_bound" if wanted > bounds.high else ""
+    wanted = clamped
+
+    if wanted > base:
+        state.below_since = None
+        if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s:
+            return _hold(state, base, "hold_up_cooldown", driver, factors)
+        return _change(state, wanted, now, "wake" if base == 0 else "scale_up", driver, factors)
+    if wanted < base:
+        if state.below_since is None:
+            state.below_since = now
+        if now - state.below_since < cfg.scale_down_stable_s:
+            return _hold(state, base, "hold_down_unstable", driver, factors)
+        if now - state.last_change < cfg.scale_down_cooldown_s:
+            return _hold(state, base, "hold_down_cooldown", driver, factors)
+        step = max(wanted, base - cfg.max_scale_down_step)
+        reason = "scale_to_zero" if step == 0 else "scale_down"
+        below_since = state.below_since  # still wanting fewer: the next step needs no new window
+        verdict = _change(state, step, now, reason, driver, factors)
+        state.below_since = below_since
+        return verdict
+    state.below_since = None
+    state.target = base
+    return Verdict(base, reason_bound or "steady", driver, factors)
+
+
+def _hold(state: RoleState, base: int, reason: str, driver: str, factors: list[str]) -> Verdict:
+    state.target = base
+    return Verdict(base, reason, driver, factors)
+
+
+def _change(
+    state: RoleState, replicas: int, now: float, reason: str, driver: str, factors: list[str]
+) -> Verdict:
+    state.target = replicas
+    state.last_change = now
+    state.below_since = None
+    return Verdict(replicas, reason, driver, factors)

@@ -1,0 +1,167 @@
+"""``strait planner``: sizes every pool ahead of its load (docs/planner.md).
+
+    subscribe: workers.>  (WorkerBeat)        events.route  (RouteDecision, placed requests)
+               events.usage.worker (UsageEvent) requests, requests.* (model names: demand for
+                                                a pool with no worker)
+    every planner.interval_s: Planner.plan → PlanDecision per pool role
+        → planner.decision.<pool>.<role> (core NATS) → log (one line per change) → actuator
+
+The planner holds no worker and no request: if it dies, nothing is lost and the actuators keep
+the fleet the size it has; when it starts again it begins from the workers it sees beating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+from nats.aio.msg import Msg
+
+from libs.log import fields
+from libs.nats_util import connect
+from libs.protocol import (
+    PlanDecision,
+    ProtocolError,
+    RouteDecision,
+    Subjects,
+    UsageEvent,
+    WorkerBeat,
+    decode,
+    encode,
+)
+from libs.runtime import ServiceContext, run_service
+from libs.settings import Settings, get_settings
+from services.planner import metrics
+from services.planner.actuators import build_actuator
+from services.planner.planner import Planner
+
+log = logging.getLogger("strait.planner")
+T = TypeVar("T")
+# Workers not heard from for this many beat TTLs are forgotten.
+FORGET_TTLS = 100
+
+
+class _RequestModel(msgspec.Struct):
+    """The only field of a GenerateRequest the planner reads."""
+
+    model: str = "auto"
+
+
+_request_model = msgspec.json.Decoder(_RequestModel)
+
+
+async def serve(ctx: ServiceContext) -> None:
+    s = ctx.settings
+    subjects = Subjects(s.nats.subject_prefix)
+    planner_id = f"planner-{socket.gethostname()}-{os.getpid()}"
+    planner = Planner(s, planner_id, time.monotonic())
+    actuate = build_actuator(s)
+    nc = await connect(s.nats, "planner")
+
+    def handler(
+        type_: type[T], feed: Callable[[T, float], None]
+    ) -> Callable[[Msg], Awaitable[None]]:
+        async def on(msg: Msg) -> None:
+            try:
+                ev = decode(msg.data, type_)
+            except ProtocolError as e:
+                log.debug("unreadable message", extra=fields(subject=msg.subject, error=str(e)))
+                return
+            feed(ev, time.monotonic())
+
+        return on
+
+    async def on_request(msg: Msg) -> None:
+        try:
+            model = _request_model.decode(msg.data).model
+        except msgspec.DecodeError:
+            return
+        planner.on_request_model(model, time.monotonic())
+
+    subs = [
+        await nc.subscribe(subjects.beats_all, cb=handler(WorkerBeat, planner.on_beat)),
+        await nc.subscribe(subjects.event("route"), cb=handler(RouteDecision, planner.on_route)),
+        await nc.subscribe(subjects.worker_usage, cb=handler(UsageEvent, planner.on_usage)),
+        await nc.subscribe(subjects.requests, cb=on_request),
+        await nc.subscribe(subjects.team_requests_all, cb=on_request),
+    ]
+    ctx.serving(lambda: nc.is_connected)
+    log.info(
+        "planner ready",
+        extra=fields(
+            planner_id=planner_id,
+            actuator=s.planner.actuator,
+            method=s.planner.forecast_method,
+            pools=",".join(p.name for p in s.pools),
+        ),
+    )
+    last: dict[tuple[str, str], tuple[int, str]] = {}
+    try:
+        while not ctx.stopping.is_set():
+            now = time.monotonic()
+            decisions = await asyncio.to_thread(planner.plan, now)
+            for d in decisions:
+                await publish(nc, subjects, d)
+                record(d, last)
+                if actuate is not None:
+                    try:
+                        await asyncio.to_thread(actuate, d)
+                    except Exception as e:  # an API error: the next tick tries again
+                        log.warning("actuator failed", extra=fields(pool=d.pool, error=repr(e)))
+            planner.forget_stale(now, s.router.worker_ttl_s * FORGET_TTLS)
+            try:
+                await asyncio.wait_for(ctx.stopping.wait(), s.planner.interval_s)
+            except TimeoutError:
+                pass
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.drain()
+
+
+async def publish(nc: object, subjects: Subjects, d: PlanDecision) -> None:
+    await nc.publish(subjects.plan(d.pool, d.role), encode(d))  # type: ignore[attr-defined]
+
+
+def record(d: PlanDecision, last: dict[tuple[str, str], tuple[int, str]]) -> None:
+    """Metrics for every decision; a log line when the target or the reason changes (a steady
+    pool is one line, not one a tick)."""
+    metrics.REPLICAS.labels(pool=d.pool, role=d.role).set(d.replicas)
+    metrics.CURRENT.labels(pool=d.pool, role=d.role).set(d.current)
+    metrics.FORECAST.labels(pool=d.pool).set(d.forecast_rps)
+    metrics.ARRIVALS.labels(pool=d.pool).set(d.arrival_rps)
+    metrics.DECISIONS.labels(pool=d.pool, role=d.role, reason=d.reason).inc()
+    key = (d.pool, d.role)
+    if last.get(key) == (d.replicas, d.reason):
+        return
+    last[key] = (d.replicas, d.reason)
+    log.info(
+        "plan",
+        extra=fields(
+            pool=d.pool,
+            role=d.role,
+            replicas=d.replicas,
+            current=d.current,
+            reason=d.reason,
+            driver=d.driver,
+            arrival_rps=d.arrival_rps,
+            forecast_rps=d.forecast_rps,
+            queue=d.queue,
+            worker_rps=d.worker_rps,
+            capacity=d.capacity,
+            ttft_s=d.ttft_s,
+            itl_s=d.itl_s,
+            factors=" ".join(d.factors),
+        ),
+    )
+
+
+def main(settings: Settings | None = None) -> int:
+    settings = settings or get_settings()
+    return run_service("planner", serve, settings, http_port=settings.planner.metrics_port)

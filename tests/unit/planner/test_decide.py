@@ -1,0 +1,134 @@
+"""The planner's decision rules: SLO arithmetic, bounds, cooldowns, the stable window,
+scale-to-zero and waking; and capacity measured from finished requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.settings import PlannerSettings, PoolPlanSettings
+from services.planner.capacity import Sample, concurrency_at_slo, worker_capacity
+from services.planner.decide import Bounds, Capacity, Load, RoleState, need, settle
+
+pytestmark = pytest.mark.unit
+
+CAP = Capacity(worker_rps=2.0, concurrency=8, service_s=4.0, source="measured")
+BOUNDS = Bounds(low=1, high=6, ttft_slo_s=2.0)
+
+
+def load(**kw: object) -> Load:
+    base: dict[str, object] = dict(
+        forecast_rps=0.0, arrival_rps=0.0, queue=0, busy=0, ttft_s=None, idle_s=0.0
+    )
+    base.update(kw)
+    return Load(**base)  # type: ignore[arg-type]
+
+
+def cfg(**kw: object) -> PlannerSettings:
+    base: dict[str, object] = dict(
+        scale_up_cooldown_s=5.0, scale_down_cooldown_s=30.0, scale_down_stable_s=20.0
+    )
+    base.update(kw)
+    return PlannerSettings(**base)  # type: ignore[arg-type]
+
+
+def test_forecast_sizing_is_rate_over_capacity_at_target_utilization() -> None:
+    # 5 req/s over 2 req/s per worker filled to 0.8 (1.6 req/s): 3.125 -> 4 workers.
+    assert need(load(forecast_rps=5.0), CAP, BOUNDS, 1, 0.8) == (4, "forecast")
+    # Exactly at capacity: no extra worker for rounding.
+    assert need(load(forecast_rps=3.2), CAP, BOUNDS, 1, 0.8) == (2, "forecast")
+
+
+def test_a_queue_is_cleared_within_the_ttft_slo() -> None:
+    # 1 req/s arriving + 10 waiting to clear in 2 s = 6 req/s over 1.6 -> 4 workers.
+    wanted, driver = need(load(arrival_rps=1.0, queue=10), CAP, BOUNDS, 1, 0.8)
+    assert (wanted, driver) == (4, "queue")
+
+
+def test_ttft_over_slo_with_a_queue_adds_a_worker_whatever_the_arithmetic() -> None:
+    generous = Capacity(100.0, 64, 1.0, "prior")  # an estimate that says one is plenty
+    wanted, driver = need(load(queue=1, ttft_s=3.0), generous, BOUNDS, 2, 0.8)
+    assert (wanted, driver) == (3, "ttft_slo")
+
+
+def test_running_requests_keep_their_workers() -> None:
+    assert need(load(busy=20), CAP, BOUNDS, 3, 0.8) == (3, "busy")
+
+
+def test_bounds_clamp_and_say_so() -> None:
+    st = RoleState(target=6)
+    v = settle(9, "forecast", load(), BOUNDS, st, 6, now=100.0, cfg=cfg())
+    assert (v.replicas, v.reason) == (6, "max_bound")
+    st = RoleState(target=1, last_change=-1e9, below_since=0.0)
+    v = settle(0, "idle", load(), BOUNDS, st, 1, now=100.0, cfg=cfg())
+    assert (v.replicas, v.driver) == (1, "min_bound")
+
+
+def test_scale_up_is_immediate_then_held_by_its_cooldown() -> None:
+    st, c = RoleState(target=1), cfg()
+    v = settle(3, "forecast", load(), BOUNDS, st, 1, now=10.0, cfg=c)
+    assert (v.replicas, v.reason) == (3, "scale_up")
+    v = settle(5, "forecast", load(), BOUNDS, st, 3, now=12.0, cfg=c)
+    assert (v.replicas, v.reason) == (3, "hold_up_cooldown")
+    v = settle(5, "forecast", load(), BOUNDS, st, 3, now=15.5, cfg=c)
+    assert (v.replicas, v.reason) == (5, "scale_up")
+
+
+def test_scale_down_needs_a_stable_window_a_cooldown_and_goes_one_step() -> None:
+    st, c = RoleState(target=4, last_change=0.0), cfg()
+    assert settle(1, "forecast", load(), BOUNDS, st, 4, 40.0, c).reason == "hold_down_unstable"
+    # A decision that wants as many as now resets the window.
+    assert settle(4, "forecast", load(), BOUNDS, st, 4, 50.0, c).reason == "steady"
+    assert settle(1, "forecast", load(), BOUNDS, st, 4, 55.0, c).reason == "hold_down_unstable"
+    v = settle(1, "forecast", load(), BOUNDS, st, 4, 75.0, c)
+    assert (v.replicas, v.reason) == (3, "scale_down")  # max_scale_down_step = 1
+    # The next step waits for the cooldown after that change (the window still holds).
+    assert settle(1, "forecast", load(), BOUNDS, st, 3, 90.0, c).reason == "hold_down_cooldown"
+    assert settle(1, "forecast", load(), BOUNDS, st, 3, 106.0, c).replicas == 2
+    # Wanting as many as the target again closes the window.
+    assert settle(2, "forecast", load(), BOUNDS, st, 2, 107.0, c).reason == "steady"
+    assert settle(1, "forecast", load(), BOUNDS, st, 2, 140.0, c).reason == "hold_down_unstable"
+
+
+def test_scale_to_zero_only_when_allowed_and_idle_long_enough_then_wake() -> None:
+    zero = Bounds(low=0, high=4, ttft_slo_s=2.0)
+    c = cfg(idle_to_zero_s=60.0, scale_down_stable_s=0.0, scale_down_cooldown_s=0.0)
+    st = RoleState(target=1)
+    v = settle(0, "idle", load(idle_s=30.0), zero, st, 1, 100.0, c)
+    assert (v.replicas, v.driver) == (1, "idle")
+    v = settle(0, "idle", load(idle_s=61.0), zero, st, 1, 131.0, c)
+    assert (v.replicas, v.reason) == (0, "scale_to_zero")
+    v = settle(0, "idle", load(idle_s=0.0, demand_while_zero=True), zero, st, 0, 140.0, c)
+    assert (v.replicas, v.reason, v.driver) == (1, "wake", "wake")
+    # A pool with min_replicas >= 1 never goes to zero, however idle.
+    st = RoleState(target=1)
+    assert settle(0, "idle", load(idle_s=1e6), BOUNDS, st, 1, 1e6, c).replicas == 1
+
+
+def test_first_decision_starts_from_what_runs() -> None:
+    st = RoleState()
+    v = settle(1, "forecast", load(), BOUNDS, st, 3, now=0.0, cfg=cfg())
+    assert (v.replicas, v.reason) == (3, "hold_down_unstable")
+
+
+def sample(running: float, itl: float, decode_s: float = 2.0, ttft: float = 0.1) -> Sample:
+    return Sample(0.0, "w", running, itl, decode_s, ttft, ttft, 100)
+
+
+def test_concurrency_at_slo_from_itl_growing_with_running() -> None:
+    # itl = 0.02 + 0.01 x running: the 0.1 s SLO is crossed at 8 sequences.
+    samples = [sample(n, 0.02 + 0.01 * n) for n in range(1, 13)]
+    assert concurrency_at_slo(samples, 0.1, beat_capacity=64) == 8
+    assert concurrency_at_slo(samples, 0.1, beat_capacity=4) == 4
+    flat = [sample(n, 0.02) for n in range(1, 13)]  # the fake engine: no growth measured
+    assert concurrency_at_slo(flat, 0.1, beat_capacity=16) == 16
+
+
+def test_worker_capacity_prior_then_measured() -> None:
+    slo = PoolPlanSettings(itl_slo_s=0.1, prior_service_s=5.0)
+    prior = worker_capacity([], slo, beat_capacity=10, min_samples=3)
+    assert (prior.source, prior.worker_rps) == ("prior", pytest.approx(2.0))
+    samples = [sample(n, 0.02 + 0.01 * n, decode_s=1.9, ttft=0.1) for n in range(1, 13)]
+    got = worker_capacity(samples, slo, beat_capacity=64, min_samples=3)
+    # 8 sequences over (1.9 s decode + 0.1 s prefill) = 4 requests a second.
+    assert got.source == "measured" and got.concurrency == 8
+    assert got.worker_rps == pytest.approx(4.0)
