@@ -5,6 +5,9 @@ Order: state dir → NATS (reuse the server at ``nats.url`` when it answers, els
 database + development API key → models → router, workers, gateway as child processes.
 Ctrl-C (or SIGTERM) stops every child cleanly: SIGTERM, wait, then SIGKILL.
 A child that dies on its own is restarted (at most ``MAX_RESTARTS`` times).
+With ``planner.enabled`` it also starts ``strait planner`` and, with the local actuator, obeys
+its decisions (``Fleet.scale``): new workers are started, surplus ones drained (SIGTERM: the
+worker's own drain, nothing running is dropped) and not restarted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from urllib.parse import urlparse
 import httpx
 
 from libs.settings import Settings, model_identity
+from services.planner.actuators import LocalActuator
 
 MAX_RESTARTS = 3
 STOP_GRACE_S = 15.0
@@ -33,6 +37,8 @@ READY_TIMEOUT_S = 180.0
 USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 # First port of the workers' /metrics listeners (one per worker, counting up).
 WORKER_METRICS_BASE_PORT = 9200
+# Seconds between the supervisor's checks of its children (and of the planner's decisions).
+WATCH_INTERVAL_S = 0.5
 
 
 def say(msg: str) -> None:
@@ -76,6 +82,11 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     log_path: Path | None = None
+    # A worker's pool and role ("aggregated", "prefill", "decode"); "" for other services.
+    pool: str = ""
+    role: str = ""
+    # Drained on the planner's word: it exits once its requests are done, and is not restarted.
+    retiring: bool = False
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
@@ -91,6 +102,9 @@ class Fleet:
     nats_proc: subprocess.Popen[bytes] | None = None
     # The secured fleet's NATS credentials for every child (``strait up --secure``).
     secure_env: dict[str, str] = field(default_factory=dict)
+    # Next worker index of each (pool, role), and the next workers' /metrics port.
+    next_index: dict[tuple[str, str], int] = field(default_factory=dict)
+    next_port: int = WORKER_METRICS_BASE_PORT
 
     def child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -143,6 +157,11 @@ class Fleet:
                 f"--secure starts its own nats-server, but {sf.host}:{sf.port} is taken; "
                 "point STRAIT_NATS__URL at a free port (e.g. tls://127.0.0.1:4333)"
             )
+        if sf.monitor_port and port_open(sf.host, sf.monitor_port):
+            raise SystemExit(
+                f"--secure starts its own nats-server, but its monitoring port "
+                f"{sf.host}:{sf.monitor_port} is taken; set STRAIT_NATS__MONITOR_PORT"
+            )
         self._start_nats(sf.conf, sf.dir / "nats.log", sf.host, sf.port)
         n = self.settings.nats
         self.secure_env = {
@@ -158,10 +177,8 @@ class Fleet:
         )
 
     def plan(self) -> None:
-        py = sys.executable
-        cli = [py, "-m", "services.cli"]
+        cli = self.cli()
         self.children.append(Child("router", [*cli, "router"], self.child_env()))
-        port = WORKER_METRICS_BASE_PORT
         if (
             any(p.mode == "disaggregated" for p in self.settings.pools)
             and self.settings.cache.enabled
@@ -169,22 +186,60 @@ class Fleet:
             self.children.append(Child("cache", [*cli, "cache"], self.child_env()))
         for pool in self.settings.pools:
             disagg = pool.mode == "disaggregated"
-            # (command, role, worker id stem, count): aggregated workers, or decode + prefill.
-            kinds = [("decode", "decode" if disagg else "aggregated", "w", pool.workers)]
+            # (role, count): aggregated workers, or decode + prefill.
+            kinds = [("decode" if disagg else "aggregated", pool.workers)]
             if disagg:
-                kinds.append(("prefill", "prefill", "p", pool.prefill_workers))
-            for command, role, stem, count in kinds:
-                for i in range(count):
-                    wid = f"{pool.name}-{stem}{i}"
-                    env = self.child_env(
-                        STRAIT_WORKER__POOL=pool.name,
-                        STRAIT_WORKER__WORKER_ID=wid,
-                        STRAIT_WORKER__ROLE=role,
-                        STRAIT_WORKER__METRICS_PORT=str(port),
-                    )
-                    port += 1
-                    self.children.append(Child(f"{role} {wid}", [*cli, command], env))
+                kinds.append(("prefill", pool.prefill_workers))
+            for role, count in kinds:
+                for _ in range(count):
+                    self.children.append(self.worker_child(pool.name, role))
         self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
+        if self.settings.planner.enabled:
+            self.children.append(Child("planner", [*cli, "planner"], self.child_env()))
+
+    @staticmethod
+    def cli() -> list[str]:
+        return [sys.executable, "-m", "services.cli"]
+
+    def worker_child(self, pool: str, role: str) -> Child:
+        """A worker of ``role`` in ``pool`` with the next id (``<pool>-w<i>``, prefill
+        ``<pool>-p<i>``) and the next free /metrics port; not started."""
+        i = self.next_index.get((pool, role), 0)
+        self.next_index[(pool, role)] = i + 1
+        wid = f"{pool}-{'p' if role == 'prefill' else 'w'}{i}"
+        while port_open("127.0.0.1", self.next_port):  # taken by another program
+            self.next_port += 1
+        env = self.child_env(
+            STRAIT_WORKER__POOL=pool,
+            STRAIT_WORKER__WORKER_ID=wid,
+            STRAIT_WORKER__ROLE=role,
+            STRAIT_WORKER__METRICS_PORT=str(self.next_port),
+        )
+        self.next_port += 1
+        command = "prefill" if role == "prefill" else "decode"
+        return Child(f"{role} {wid}", [*self.cli(), command], env, pool=pool, role=role)
+
+    def workers(self, pool: str, role: str) -> list[Child]:
+        """The pool role's workers that are not draining away."""
+        return [c for c in self.children if c.pool == pool and c.role == role and not c.retiring]
+
+    def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
+        """The local actuator's word (services/planner/actuators.py): start workers up to
+        ``replicas``, or drain the newest surplus ones (SIGTERM: no new work, running requests
+        finish or migrate, then the process exits and is not restarted)."""
+        if self.settings.pool(pool) is None:
+            return
+        live = self.workers(pool, role)
+        for _ in range(replicas - len(live)):
+            c = self.worker_child(pool, role)
+            self.children.append(c)
+            c.start()
+            say(f"planner: started {c.name} (pid {c.proc.pid if c.proc else '?'}; {reason})")
+        for c in live[replicas:][::-1] if len(live) > replicas else []:
+            c.retiring = True
+            if c.alive() and c.proc is not None:
+                c.proc.send_signal(signal.SIGTERM)
+            say(f"planner: draining {c.name} ({reason})")
 
     def start_all(self) -> None:
         for c in self.children:
@@ -192,6 +247,10 @@ class Fleet:
             say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'})")
 
     def watch(self) -> None:
+        for c in [c for c in self.children if c.retiring and not c.alive()]:
+            self.children.remove(c)
+            code = c.proc.returncode if c.proc is not None else None
+            say(f"{c.name} drained and exited ({code})")
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
                 code = c.proc.returncode
@@ -259,6 +318,7 @@ def up(settings: Settings, secure: bool = False) -> int:
     state.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(settings)
     stop = False
+    actuator: LocalActuator | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stop
@@ -276,6 +336,10 @@ def up(settings: Settings, secure: bool = False) -> int:
         key = dev_api_key(settings)
         fleet.plan()
         fleet.start_all()
+        if settings.planner.enabled and settings.planner.actuator == "local":
+            actuator = LocalActuator(settings, fleet)
+            actuator.start()
+            say("planner on: pools are sized by `strait planner` (docs/planner.md)")
         base = f"http://{settings.gateway.host}:{settings.gateway.port}"
         for pool in settings.pools:
             if pool.backend == "engine":
@@ -298,9 +362,13 @@ def up(settings: Settings, secure: bool = False) -> int:
             say(f"development API key: {key}  (also in {state / 'dev-api-key'})")
         say("Ctrl-C stops every process")
         while not stop:
+            if actuator is not None:
+                actuator.poll()
             fleet.watch()
-            time.sleep(0.5)
+            time.sleep(WATCH_INTERVAL_S)
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if actuator is not None:
+            actuator.stop()
         fleet.stop_all()

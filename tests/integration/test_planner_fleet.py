@@ -1,0 +1,157 @@
+"""The planner on processes: `strait up` (FAKE engine workers, a real nats-server of the
+test's own) with `planner.enabled` and the local actuator. A load wave past one worker's
+capacity makes the planner publish a scale-up and the supervisor start workers; when the wave
+ends the planner scales down and the supervisor drains the surplus workers while requests are
+still running on them: every request completes with all its tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from libs.client import StraitClient
+from libs.protocol import PlanDecision, Subjects, WorkerBeat
+from tests.support.services import free_port, unique_prefix
+
+pytestmark = pytest.mark.integration
+
+# One FAKE worker runs 4 requests at once (engine.max_num_seqs), each 40 tokens x 25 ms = 1 s:
+# 4 requests a second. The wave sends 8 a second, the tail 1 a second of 2 s requests.
+FLEET = """
+[gateway]
+auth_enabled = false
+[router]
+metrics_port = 0
+[worker]
+drain_timeout_s = 20.0
+[engine]
+max_num_seqs = 4
+[fake_engine]
+per_token_s = 0.025
+per_prompt_token_s = 0.0
+[planner]
+enabled = true
+metrics_port = 0
+interval_s = 0.5
+bucket_s = 1.0
+horizon_s = 4.0
+min_history_buckets = 3
+scale_up_cooldown_s = 1.0
+scale_down_cooldown_s = 2.0
+scale_down_stable_s = 3.0
+min_samples = 5
+[planner.default]
+min_replicas = 1
+max_replicas = 3
+ttft_slo_s = 1.0
+itl_slo_s = 0.1
+prior_service_s = 1.0
+[[pools]]
+name = "default"
+model = "fake-model"
+backend = "fake"
+workers = 1
+"""
+WAVE_RPS, WAVE_S, WAVE_TOKENS = 8.0, 8.0, 40
+TAIL_RPS, TAIL_S, TAIL_TOKENS = 1.0, 14.0, 80
+
+
+async def send_wave(client: StraitClient, rps: float, seconds: float, tokens: int) -> list[int]:
+    """Requests at ``rps`` for ``seconds``, each read to its end; their completion tokens."""
+
+    async def one(i: int) -> int:
+        c = await client.complete(f"wave {i} {rps}", max_tokens=tokens, ignore_eos=True)
+        return c.usage.completion_tokens
+
+    tasks = []
+    for i in range(int(rps * seconds)):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(1 / rps)
+    return list(await asyncio.gather(*tasks))
+
+
+def test_planner_scales_up_under_a_wave_and_drains_down_dropping_nothing(
+    tmp_path: Path, nats_url: str
+) -> None:
+    prefix = unique_prefix()
+    tag = prefix.split(".")[0].upper()
+    (tmp_path / "strait.toml").write_text(FLEET)
+    env = dict(os.environ)
+    env.update(
+        STRAIT_CONFIG=str(tmp_path / "strait.toml"),
+        NATS_URL=nats_url,
+        STRAIT_NATS__SUBJECT_PREFIX=prefix,
+        STRAIT_NATS__REQUESTS_STREAM=f"{tag}_REQUESTS",
+        STRAIT_NATS__EVENTS_STREAM=f"{tag}_EVENTS",
+        STRAIT_NATS__KV_EVENTS_STREAM=f"{tag}_KV",
+        STRAIT_STATE_DIR=str(tmp_path / "state"),
+        STRAIT_GATEWAY__PORT=str(free_port()),
+        STRAIT_TELEMETRY__LOG_JSON="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DATABASE_URL", None)
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up"], env=env, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "fleet ready" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        plans, workers, draining = asyncio.run(scenario(nats_url, prefix))
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            up.kill()
+    text = log.read_text()
+    ups = [p for p in plans if p.reason == "scale_up"]
+    downs = [p for p in plans if p.reason == "scale_down"]
+    assert ups and max(p.replicas for p in ups) >= 2, text[-4000:]
+    assert len(workers) >= 2, (workers, text[-4000:])  # the supervisor started workers
+    assert downs and draining, text[-4000:]  # and drained one on the planner's word
+    assert "planner: draining" in text and "drained and exited (0)" in text, text[-4000:]
+
+
+async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[str], set[str]]:
+    import nats
+
+    subjects = Subjects(prefix)
+    plans: list[PlanDecision] = []
+    workers: set[str] = set()
+    draining: set[str] = set()
+    nc = await nats.connect(nats_url)
+
+    async def on_plan(msg: object) -> None:
+        plans.append(msgspec.json.decode(msg.data, type=PlanDecision))  # type: ignore[attr-defined]
+
+    async def on_beat(msg: object) -> None:
+        b = msgspec.json.decode(msg.data, type=WorkerBeat)  # type: ignore[attr-defined]
+        workers.add(b.worker_id)
+        if b.draining:
+            draining.add(b.worker_id)
+
+    await nc.subscribe(subjects.plans_all, cb=on_plan)
+    await nc.subscribe(subjects.beats_all, cb=on_beat)
+    try:
+        async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
+            wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+            assert wave == [WAVE_TOKENS] * len(wave)  # every request of the wave, whole
+            assert len(workers) >= 2, plans[-3:]
+            # The tail keeps requests running on every worker while the planner drains.
+            tail = await send_wave(client, TAIL_RPS, TAIL_S, TAIL_TOKENS)
+            assert tail == [TAIL_TOKENS] * len(tail)  # nothing dropped by the drains
+    finally:
+        await nc.drain()
+    return plans, workers, draining
