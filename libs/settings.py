@@ -273,7 +273,9 @@ class HandoffSettings(BaseModel):
 
 class EngineSettings(BaseModel):
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Activations and unquantised weights. "auto": bfloat16 on a CUDA device, float32 elsewhere
+    # (resolved when the settings are read, so `dtype` is never "auto" after that).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     block_size: int = 16
     # KV budget: bytes when > 0, else a fraction of free memory.
     kv_cache_bytes: int = 0
@@ -339,6 +341,22 @@ class EngineSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Speculative decoding on this engine (a pool's own `speculative` replaces it).
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
+    # On a CUDA device: steps whose every row is one decode token run as CUDA graphs, padded
+    # to the next of `cuda_graph_batch_sizes` rows (and a power of two of block-table columns),
+    # each captured on its first use (libs/engine/cuda_graphs.py, decision 0018). With
+    # `compile` the captured forward is inductor's. Ignored on a CPU.
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    )
+
+    @model_validator(mode="after")
+    def _resolve_auto_dtype(self) -> EngineSettings:
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
+            raise ValueError("engine.cuda_graph_batch_sizes needs sizes of at least 1")
+        return self
 
     @property
     def kv_dtype(self) -> str:

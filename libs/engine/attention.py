@@ -135,49 +135,145 @@ def paged_attention(
             out = meta.kernels.paged_attention(*args)
         return out.unsqueeze(0), None
 
-    k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
-    hkv, num_blocks, block_size, d = k_cache.shape
-    # 1. Write the new K/V into their slots (rounded to the cache's dtype, engine.kv_cache_dtype).
-    kv_dtype = k_cache.dtype
-    k_slots = k_cache.view(hkv, num_blocks * block_size, d)
-    k_slots.index_copy_(1, meta.slot_mapping, key[0].to(kv_dtype))
-    v_slots = v_cache.view(hkv, num_blocks * block_size, d)
-    v_slots.index_copy_(1, meta.slot_mapping, value[0].to(kv_dtype))
-    # Scores and softmax in float32 whatever the activations' and the cache's dtypes: with
-    # attention in bf16 a batched bf16 engine diverged from one request at a time on a test
-    # prompt that agrees in float32 (bf16 with unquantised weights still diverges on another:
-    # test_quant.py's strict xfail). Only the output is rounded back to the activations' dtype.
-    act = torch.float32
+    if torch.compiler.is_compiling() and not meta.prefills:
+        # A compiled decode step (CUDA graphs with engine.compile): the cache write and the
+        # gather stay one opaque op, so the compiler never copies the cache to functionalise
+        # the in-place write.
+        assert meta.decode_token_idx is not None
+        assert meta.decode_block_ids is not None and meta.decode_mask is not None
+        out = torch.ops.strait_torch.paged_decode(
+            query[0],
+            key[0],
+            value[0],
+            meta.cache.data,
+            module.layer_idx,
+            meta.slot_mapping,
+            meta.decode_token_idx,
+            meta.decode_block_ids,
+            meta.decode_mask,
+            scale,
+        )
+        return out.unsqueeze(0), None
 
+    k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
+    hkv, _, _, d = k_cache.shape
+    # 1. Write the new K/V into their slots (rounded to the cache's dtype, engine.kv_cache_dtype).
+    write_kv(k_cache, v_cache, meta.slot_mapping, key[0], value[0])
     _, h, t, _ = query.shape
     groups = h // hkv
-    q = query[0].to(act)  # [H, T, D]
+    q = query[0].to(ACT)  # [H, T, D]
     out = query.new_empty(t, h, d)  # [T, H, D]
 
     # 2a. Decode tokens: one padded, batched SDPA.
     if meta.decode_token_idx is not None:
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        b = meta.decode_token_idx.shape[0]
-        # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]
-        qd = q.index_select(1, meta.decode_token_idx).view(hkv, groups, b, d).transpose(1, 2)
-        # [Hkv, B * max_blocks, block_size, D] is already [Hkv, B, L_max, D] in memory.
-        kd = k_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d).to(act)
-        vd = v_cache.index_select(1, meta.decode_block_ids).view(hkv, b, -1, d).to(act)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
-        # [Hkv, B, G, D] -> [B, Hkv, G, D] -> [B, H, D]
-        out.index_copy_(0, meta.decode_token_idx, od.transpose(0, 1).reshape(b, h, d).to(out.dtype))
+        od = decode_rows(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_token_idx,
+            meta.decode_block_ids,
+            meta.decode_mask,
+            scaling,
+        )
+        out.index_copy_(0, meta.decode_token_idx, od.to(out.dtype))
 
     # 2b. Prefill chunks: one SDPA per sequence.
     for seg in meta.prefills:
         s, n = seg.q_start, seg.q_len
         # [H, n, D] -> [Hkv, G * n, D] (row g*n + i: query i of group member g)
         qs = q[:, s : s + n].reshape(hkv, groups * n, d)
-        ks = k_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(act)
-        vs = v_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(act)
+        ks = k_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(ACT)
+        vs = v_cache.index_select(1, seg.block_ids).view(hkv, -1, d)[:, : seg.ctx_len].to(ACT)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling)
         # [Hkv, G * n, D] -> [H, n, D] -> [n, H, D]
         out[s : s + n] = os_.view(h, n, d).transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
+
+
+# Scores and softmax in float32 whatever the activations' and the cache's dtypes: with
+# attention in bf16 a batched bf16 engine diverged from one request at a time on a test prompt
+# that agrees in float32 (bf16 with unquantised weights still diverges on another:
+# test_quant.py's strict xfail). Only the output is rounded back to the activations' dtype.
+ACT = torch.float32
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] long
+    key: torch.Tensor,  # [Hkv, T, D]
+    value: torch.Tensor,
+) -> None:
+    """Write the step's K/V into their slots, rounded to the cache's dtype."""
+    hkv, num_blocks, block_size, d = k_cache.shape
+    k_slots = k_cache.view(hkv, num_blocks * block_size, d)
+    k_slots.index_copy_(1, slot_mapping, key.to(k_cache.dtype))
+    v_slots = v_cache.view(hkv, num_blocks * block_size, d)
+    v_slots.index_copy_(1, slot_mapping, value.to(v_cache.dtype))
+
+
+def decode_rows(
+    q: torch.Tensor,  # [H, T, D] float32
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    token_idx: torch.Tensor,  # [B] long: the decode tokens' packed positions
+    block_ids: torch.Tensor,  # [B * max_blocks] long
+    mask: torch.Tensor,  # [1, B, 1, max_blocks * block_size] bool
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of the decode tokens (one query each) over their padded blocks, one batched
+    SDPA; returns ``[B, H, D]`` float32."""
+    hkv, d = k_cache.shape[0], k_cache.shape[3]
+    h = q.shape[0]
+    groups = h // hkv
+    b = token_idx.shape[0]
+    # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]
+    qd = q.index_select(1, token_idx).view(hkv, groups, b, d).transpose(1, 2)
+    # [Hkv, B * max_blocks, block_size, D] is already [Hkv, B, L_max, D] in memory.
+    kd = k_cache.index_select(1, block_ids).view(hkv, b, -1, d).to(ACT)
+    vd = v_cache.index_select(1, block_ids).view(hkv, b, -1, d).to(ACT)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scaling)
+    # [Hkv, B, G, D] -> [B, Hkv, G, D] -> [B, H, D]
+    return od.transpose(0, 1).reshape(b, h, d)
+
+
+@torch.library.custom_op("strait_torch::paged_decode", mutates_args=("kv",))
+def paged_decode(
+    query: torch.Tensor,  # [H, T, D], every token a decode token
+    key: torch.Tensor,  # [Hkv, T, D]
+    value: torch.Tensor,
+    kv: torch.Tensor,  # the whole cache: [layers, 2, Hkv, num_blocks, block_size, D]
+    layer: int,
+    slot_mapping: torch.Tensor,  # [T]
+    token_idx: torch.Tensor,  # [T]
+    block_ids: torch.Tensor,  # [T * max_blocks]
+    mask: torch.Tensor,  # [1, T, 1, max_blocks * block_size]
+    scale: float,
+) -> torch.Tensor:
+    """:func:`write_kv` then :func:`decode_rows` for a step of decode tokens only, as one op
+    that ``torch.compile`` keeps opaque; returns ``[T, H, D]`` in the query's dtype."""
+    k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+    write_kv(k_cache, v_cache, slot_mapping, key, value)
+    od = decode_rows(query.to(ACT), k_cache, v_cache, token_idx, block_ids, mask, scale)
+    out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
+    return out.index_copy_(0, token_idx, od.to(out.dtype))
+
+
+@paged_decode.register_fake
+def _paged_decode_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    token_idx: torch.Tensor,
+    block_ids: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return query.new_empty(query.shape[1], query.shape[0], query.shape[2])  # [T, H, D]
 
 
 def causal_mask(q_start_pos: int, q_len: int, ctx_len: int, groups: int) -> torch.Tensor:

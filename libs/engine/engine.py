@@ -24,6 +24,7 @@ import torch
 
 from libs.backend import BackendError, GenerationChunk, Resume
 from libs.engine.block_pool import BlockPool
+from libs.engine.cuda_graphs import Capture
 from libs.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_manager import KvManager, blocks_for
@@ -80,13 +81,14 @@ class LLMEngine:
         *,
         seed: int | None = None,
         draft_model: torch.nn.Module | None = None,
+        graph_capture: Capture | None = None,
     ) -> None:
         """``draft_model``: the proposer's model when ``settings.speculative.method`` is
-        "draft" (see :meth:`from_path`)."""
+        "draft" (see :meth:`from_path`); ``graph_capture``: see :class:`ModelRunner`."""
         self.settings = settings
         self.model_id = model_id
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, settings)
+        self.runner = ModelRunner(model, settings, graph_capture=graph_capture)
         self.pool = BlockPool(
             self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching
         )

@@ -31,6 +31,7 @@ import torch
 from libs.engine import attention, fuse, kernels, quant
 from libs.engine.aot import AotForward
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
+from libs.engine.cuda_graphs import Capture, DecodeGraphs, batch_bucket, cuda_capture
 from libs.engine.kernels.linear import PackedLinear, pack_linears
 from libs.engine.scheduler import ScheduledSeq
 from libs.settings import EngineSettings
@@ -168,7 +169,16 @@ def num_kv_blocks(settings: EngineSettings, shape: ModelShape, device: torch.dev
 class ModelRunner:
     """One packed forward per step; owns the model and the KV cache tensors."""
 
-    def __init__(self, model: torch.nn.Module, settings: EngineSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: EngineSettings,
+        *,
+        graph_capture: Capture | None = None,
+    ) -> None:
+        """``graph_capture``: how decode steps are captured as graphs (default: CUDA graphs on a
+        CUDA device with ``engine.cuda_graphs``, none elsewhere; tests pass
+        :func:`~libs.engine.cuda_graphs.eager_capture` to run the bookkeeping on a CPU)."""
         attention.register()
         # NOTE: switches the given model to paged attention (it no longer runs without metadata).
         model.set_attn_implementation(attention.ATTENTION_NAME)  # type: ignore[operator]
@@ -184,9 +194,20 @@ class ModelRunner:
                 "the KV budget holds no block; raise engine.kv_cache_bytes or "
                 "engine.kv_cache_memory_fraction"
             )
+        # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
+        self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
+        # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
+        # attention (the linears and the arg-max still use the kernels).
+        self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
+        if graph_capture is None and self.device.type == "cuda" and settings.cuda_graphs:
+            graph_capture = cuda_capture()
+        if self.kernel_attention:
+            graph_capture = None
+        # Decode-step graphs pad their rows onto one block beyond the pool's (decision 0018).
+        scratch = 1 if graph_capture is not None else 0
         self.kv_cache = KvCache(
             self.shape.num_layers,
-            self.num_blocks,
+            self.num_blocks + scratch,
             self.block_size,
             self.shape.num_kv_heads,
             self.shape.head_dim,
@@ -194,11 +215,6 @@ class ModelRunner:
             self.device,
         )
         self.groups = self.shape.num_heads // self.shape.num_kv_heads
-        # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
-        self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
-        # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
-        # attention (the linears and the arg-max still use the kernels).
-        self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
         if settings.fuse_projections:
             fuse.fuse_projections(model)
         quant.levels_to_huge_pages(model)
@@ -211,6 +227,7 @@ class ModelRunner:
         # own per-process compile.
         self.compiled: Any = None
         self.aot: AotForward | None = None
+        self.graphs: DecodeGraphs | None = None  # decode steps as graphs (set below)
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
@@ -228,6 +245,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.warm_up()
             log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
+        if graph_capture is not None:
+            self.graphs = self._decode_graphs(settings, graph_capture)
         elif settings.compile:
             log.warning(
                 "engine.compile needs the CPU kernels, a float32 KV cache and 5 KV blocks; "
@@ -241,6 +260,39 @@ class ModelRunner:
             self.kv_cache.data.numel() * self.kv_cache.data.element_size() / 2**20,
             "Strait's paged" if self.kernel_attention else "torch's",
         )
+
+    def _decode_graphs(self, settings: EngineSettings, capture: Capture) -> DecodeGraphs:
+        """Decode steps as graphs (decision 0018); with ``engine.compile`` the captured forward
+        is inductor's, compiled once with the sizes that differ between graphs symbolic."""
+        forward: Callable[..., Any] = self.model
+        if settings.compile:
+            compiled = torch.compile(own_forward_entry())
+
+            def forward(**inputs: Any) -> Any:
+                return compiled(self.model, **inputs)
+
+        limit = self.shape.max_position_embeddings or settings.max_model_len
+        max_len = min(settings.max_model_len, limit)
+        # The buckets up to the first that holds max_num_seqs rows (or max_num_seqs itself).
+        n_max = settings.max_num_seqs
+        sizes = sorted(n for n in settings.cuda_graph_batch_sizes if n < n_max)
+        sizes.append(batch_bucket(n_max, sorted(settings.cuda_graph_batch_sizes)) or n_max)
+        graphs = DecodeGraphs(
+            forward,
+            self.kv_cache,
+            scratch_block=self.num_blocks,
+            batch_sizes=sizes,
+            max_width=-(-max_len // self.block_size),
+            capture=capture,
+            dynamic=settings.compile,
+        )
+        log.info(
+            "decode steps as graphs: up to %d rows (%s), %s forward",
+            graphs.batch_sizes[-1],
+            ", ".join(map(str, graphs.batch_sizes)),
+            "compiled" if settings.compile else "eager",
+        )
+        return graphs
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -279,6 +331,11 @@ class ModelRunner:
         token_entry: list[int],
     ) -> torch.Tensor:
         """One forward over packed tokens (see :meth:`execute`); returns logits ``[S, vocab]``."""
+        if self.graphs is not None and len(keep) == len(input_ids) == len(tables):
+            # Every row one decode token that samples: a graph's step, when one holds it.
+            logits = self.graphs.run(input_ids, positions, slots, tables)
+            if logits is not None:
+                return logits
         meta = AttentionMetadata(
             cache=self.kv_cache, slot_mapping=torch.tensor(slots, device=self.device)
         )

@@ -9,7 +9,8 @@ request forks into ``n`` choices). Order of processing per row, as in the OpenAI
 1. penalties: repetition (HF semantics: prompt + output tokens, divide positive logits /
    multiply negative ones), then frequency and presence (OpenAI: output tokens only);
 2. log-probabilities, when asked, from the penalised logits before temperature;
-3. greedy (temperature 0 or top-k 1): arg-max; otherwise temperature, top-k, top-p, min-p, and
+3. greedy (temperature 0 or top-k 1): arg-max (on the logits' device when every row is plain
+   greedy, :func:`device_greedy`: one copy of the token ids back); otherwise temperature, top-k, top-p, min-p, and
    a draw by the exponential-race trick (``argmax(p / E)``, ``E ~ Exp(1)``), where ``E`` comes
    from the row's own ``torch.Generator`` when the request has a seed — so a seeded request
    draws the same numbers whatever else is in the batch.
@@ -81,6 +82,10 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return SampleOutput([], [])
+        if logits.device.type != "cpu":
+            ids = device_greedy(logits, rows)
+            if ids is not None:
+                return SampleOutput(ids, [None] * len(rows))
         # [S, V]; copied only when something will modify it in place (the caller's is not ours)
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
@@ -173,6 +178,19 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return [int(t) for t in self.argmax(probs / noise).tolist()]
+
+
+def device_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int] | None:
+    """Token ids of a batch whose every row is plain greedy (no bias, grammar, penalties or
+    log-probs), taken where the logits are: one arg-max and one copy of ``S`` ids back,
+    instead of ``[S, vocab]`` logits. None when any row needs the full sampler."""
+    if not all(_is_greedy(r.params) for r in rows):
+        return None
+    if any(
+        r.params.logit_bias or r.matcher is not None or r.params.logprobs is not None for r in rows
+    ) or any(_has_penalties(r) for r in rows):
+        return None
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
 
 def _has_penalties(r: SamplingRow) -> bool:

@@ -33,7 +33,15 @@ from libs.settings import EngineSettings, PoolSettings, Settings, SpeculativeSet
 
 # Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
 # runs the same graphs, and the artifact directory is where the graphs live, not what they are.
-UNSHAPING = {"kv_cache_bytes", "kv_cache_memory_fraction", "speculative", "compile_dir"}
+UNSHAPING = {
+    "kv_cache_bytes",
+    "kv_cache_memory_fraction",
+    "speculative",
+    "compile_dir",
+    # CUDA only: they shape no CPU graph.
+    "cuda_graphs",
+    "cuda_graph_batch_sizes",
+}
 # Modules whose source shapes the compiled graph, relative to libs/engine.
 GRAPH_SOURCES = (
     "model_runner.py",

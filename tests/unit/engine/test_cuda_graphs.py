@@ -1,0 +1,143 @@
+"""Decode steps as graphs (libs/engine/cuda_graphs.py) without a GPU: buckets, padding onto the
+scratch block, one graph per (rows, width) reused, the device sampler's greedy path, and the
+engine's greedy output through the graphs' bookkeeping (``eager_capture``: every replay a
+plain call over the graph's own buffers) equal to ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libs.engine.cuda_graphs import batch_bucket, eager_capture, width_bucket
+from libs.engine.engine import LLMEngine
+from libs.engine.sampler import Sampler, SamplingRow, device_greedy
+from libs.protocol import SamplingParams
+from libs.settings import EngineSettings
+from tests.unit.engine.helpers import (
+    Submission,
+    engine_settings,
+    reference_greedy,
+    run_engine,
+    tiny_model,
+)
+from tests.unit.engine.test_invariance import prompts
+
+pytestmark = pytest.mark.unit
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere() -> None:
+    assert EngineSettings().dtype == "float32"
+    assert EngineSettings(device="cuda").dtype == "bfloat16"
+    assert EngineSettings(device="cuda:1").dtype == "bfloat16"
+    assert EngineSettings(device="cuda", dtype="float32").dtype == "float32"
+
+
+def test_buckets() -> None:
+    sizes = [1, 2, 4, 8, 24]
+    assert [batch_bucket(n, sizes) for n in (1, 2, 3, 8, 9, 24, 25)] == [1, 2, 4, 8, 24, 24, None]
+    assert [width_bucket(w, 32) for w in (1, 2, 3, 5, 16, 17, 32, 33)] == [
+        2,
+        2,
+        4,
+        8,
+        16,
+        32,
+        32,
+        None,
+    ]
+
+
+def _engine(model: torch.nn.Module) -> LLMEngine:
+    settings = engine_settings(
+        model,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=6,
+        cpu_kernels="off",
+        cuda_graph_batch_sizes=[1, 2, 4],
+    )
+    return LLMEngine(model, None, settings, "tiny", graph_capture=eager_capture)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_through_the_graphs_equals_generate(arch: str) -> None:
+    model = tiny_model(arch)
+    ps = prompts()
+    refs = [reference_greedy(model, p, 12) for p in ps]
+    engine = _engine(model)
+    runner = engine.runner
+    assert runner.graphs is not None
+    # One block beyond the pool's: the padding rows' scratch block.
+    assert runner.kv_cache.num_blocks == engine.pool.num_blocks + 1
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=2 * i) for i, p in enumerate(ps)]
+    results = run_engine(engine, subs)
+    for i in range(len(ps)):
+        assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i}"
+    graphs = runner.graphs
+    assert graphs.replays > 0
+    # Up to 6 sequences (max_num_seqs): 3 rows pad to 4, 5 to 6, the last bucket.
+    assert graphs.batch_sizes == [1, 2, 4, 6]
+    assert {rows for rows, _ in graphs.graphs} <= {1, 2, 4, 6}
+    assert all(w & (w - 1) == 0 for _, w in graphs.graphs)
+    # Every sequence's blocks went back; the scratch block was never the pool's to give.
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_padding_rows_touch_only_the_scratch_block() -> None:
+    engine = _engine(tiny_model("llama"))
+    runner = engine.runner
+    assert runner.graphs is not None
+    cache = runner.kv_cache.data
+    scratch = runner.num_blocks
+    cache.fill_(0)
+    # Three decode rows: a graph of four, one padding row.
+    ids, positions, slots = [7, 8, 9], [5, 2, 9], [4 * 1 + 1, 4 * 3 + 2, 4 * 6 + 1]
+    tables = [[0, 1], [3], [5, 6, 7]]
+    logits = runner.graphs.run(ids, positions, slots, tables)
+    assert logits is not None and logits.shape == (3, runner.shape.vocab_size)
+    assert (4, 4) in runner.graphs.graphs
+    written = cache.abs().sum(dim=(0, 1, 2, 4, 5)).nonzero().flatten().tolist()
+    assert written == [1, 3, 6, scratch]
+    # The rows' logits equal the eager step's (row by row: no graph holds a single row of
+    # width 2 yet, and the eager path has no padding).
+    runner.graphs = None
+    eager = runner._forward(ids, positions, slots, [0, 1, 2], tables, [0, 1, 2])
+    assert torch.allclose(logits, eager, atol=1e-5)
+
+
+def test_a_graph_is_captured_once_and_replayed() -> None:
+    calls = 0
+
+    def counting(fn):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return eager_capture(fn)
+
+    model = tiny_model("llama")
+    settings = engine_settings(model, cpu_kernels="off", cuda_graph_batch_sizes=[2, 8])
+    engine = LLMEngine(model, None, settings, "tiny", graph_capture=counting)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    run_engine(engine, [Submission(f"r{i}", [1, 2, 3, i], greedy) for i in range(2)])
+    assert engine.runner.graphs is not None
+    # Two sequences of 4 + 6 tokens over blocks of 4: widths 2 then 3 (bucket 4).
+    assert calls == len(engine.runner.graphs.graphs) == 2
+    assert engine.runner.graphs.replays == 5
+
+
+def test_device_greedy_equals_the_sampler() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [SamplingRow(greedy, None, [1, 2], {}) for _ in range(5)]
+    host = Sampler(seed=0)(logits, plain).token_ids
+    assert device_greedy(logits, plain) == host == logits.argmax(-1).tolist()
+    # Anything beyond a plain arg-max goes to the full sampler.
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias={"3": 5.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    ):
+        rows = [*plain[:4], SamplingRow(params, None, [1, 2], {})]
+        assert device_greedy(logits, rows) is None
