@@ -6,7 +6,7 @@
   worker's own drain, so nothing running is dropped).
 - ``KubernetesActuator``: inside the planner (``planner.actuator = "kubernetes"``); sets the
   ``replicas`` of each pool role's Deployment through the scale subresource with the
-  ``kubernetes`` client (decision 0018). Pod termination is the same drain.
+  ``kubernetes`` client (decision 0019). Pod termination is the same drain.
 
 Both ignore decisions older than ``planner.decision_max_age_s`` and do nothing when no decision
 comes: a planner that dies leaves the fleet the size it was (advisory-safe).
@@ -118,7 +118,7 @@ class LocalActuator:
 
 
 class KubernetesActuator:
-    """Sets Deployment replicas through ``apps/v1 deployments/scale`` (decision 0018).
+    """Sets Deployment replicas through ``apps/v1 deployments/scale`` (decision 0019).
 
     ``api`` is a ``kubernetes.client.AppsV1Api`` (in-cluster config by default). Each role of a
     pool maps to one Deployment (``planner.kubernetes_deployment`` /
