@@ -46,6 +46,7 @@ from libs.protocol import (
     HandoffReply,
     HandoffResult,
     Migrated,
+    PlanDecision,
     ResendRequest,
     Routed,
     RouteDecision,
@@ -181,6 +182,15 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "operators, tests",
         True,
     ),
+    "plan": SubjectDoc(
+        ("<pool>", "<role>"),
+        "PlanDecision",
+        "core NATS, every `planner.interval_s`",
+        "planner (`strait planner`)",
+        "`strait up`'s supervisor (local actuator), observers (docs/planner.md)",
+        False,
+    ),
+    "plans_all": SubjectDoc((), "PlanDecision", "core NATS", "—", "supervisor, observers", False),
     "work": SubjectDoc(
         ("<worker_id>",),
         "Assignment → AssignmentAck (request/reply)",
@@ -315,7 +325,7 @@ ERRORS: dict[str, str] = {
 MESSAGE_TABLES: list[type[Any]] = [
     GenerateRequest, SamplingParams, CancelRequest, ResendRequest, Routed, TokenDelta, Migrated, Finished,
     ErrorMessage,
-    UsageEvent, RouteDecision,
+    UsageEvent, RouteDecision, PlanDecision,
 ]  # fmt: skip
 
 # The KV handoff's messages (fleet-internal; docs/disaggregation.md tells the whole story).
