@@ -1,0 +1,83 @@
+"""Decode steps as CUDA graphs on a real device: greedy float32 output through the captured
+graphs (eager and compiled forward) equal to ``generate``, bf16 by ``dtype = "auto"``, and the
+sampler's arg-max on the device. Marked ``gpu``: they run where CUDA is (never in CI); the
+same bookkeeping runs on a CPU in ``test_cuda_graphs.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libs.engine.engine import LLMEngine
+from libs.engine.sampler import Sampler, SamplingRow
+from libs.protocol import SamplingParams
+from libs.settings import EngineSettings
+from tests.unit.engine.helpers import (
+    Submission,
+    engine_settings,
+    reference_greedy,
+    run_engine,
+    tiny_model,
+)
+from tests.unit.engine.test_invariance import prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    # inductor's advice for float32 matmuls on tensor cores (the contract is full float32)
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores"),
+]
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _serve(engine: LLMEngine, ps: list[list[int]]) -> list[list[int]]:
+    subs = [Submission(f"r{i}", p, GREEDY, arrive_at_step=i) for i, p in enumerate(ps)]
+    results = run_engine(engine, subs)
+    return [results[(f"r{i}", 0)].token_ids for i in range(len(ps))]
+
+
+@pytest.mark.parametrize(("arch", "compile"), [("llama", False), ("qwen2", False), ("llama", True)])
+def test_float32_greedy_through_cuda_graphs_equals_generate(arch: str, compile: bool) -> None:
+    model = tiny_model(arch).cuda()
+    ps = prompts()
+    refs = [reference_greedy(model, p, 12) for p in ps]
+    settings = engine_settings(
+        model, device="cuda", dtype="float32", compile=compile, max_num_seqs=6
+    )
+    engine = LLMEngine(model, None, settings, "tiny")
+    assert engine.runner.graphs is not None
+    assert _serve(engine, ps) == refs
+    assert engine.runner.graphs.replays > 0
+
+
+def test_dtype_auto_serves_bfloat16_through_the_graphs() -> None:
+    model = tiny_model("llama")
+    settings = engine_settings(model, device="cuda")
+    assert settings.dtype == "bfloat16"
+    engine = LLMEngine(model.to("cuda", torch.bfloat16), None, settings, "tiny")
+    assert engine.runner.kv_cache.data.dtype == torch.bfloat16
+    outs = _serve(engine, prompts())
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert all(len(o) == 12 and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
+
+
+def test_graphs_off_runs_eager() -> None:
+    model = tiny_model("llama").cuda()
+    ps = prompts()[:3]
+    refs = [reference_greedy(model, p, 12) for p in ps]
+    settings = engine_settings(model, device="cuda", dtype="float32", cuda_graphs=False)
+    engine = LLMEngine(model, None, settings, "tiny")
+    assert engine.runner.graphs is None
+    assert _serve(engine, ps) == refs
+
+
+def test_sampler_on_cuda_logits() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), None, [1], {}) for _ in range(6)]
+    mixed = [*rows[:5], SamplingRow(SamplingParams(temperature=0.0, logprobs=2), None, [1], {})]
+    sampler = Sampler(seed=0)
+    for rs in (rows, mixed):
+        assert sampler(logits.cuda(), rs).token_ids == sampler(logits, rs).token_ids
+    assert EngineSettings(device="cuda").cuda_graphs
