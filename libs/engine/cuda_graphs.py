@@ -26,6 +26,7 @@ tests check padding, buckets and buffers against the eager step.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 
 from libs.engine.attention import AttentionMetadata, KvCache
+
+log = logging.getLogger("strait.engine")
 
 # capture(fn) -> replay: runs ``fn`` (the forward over the graph's input buffers) as often as
 # warming up needs, records it, and returns a callable that re-runs the recording and returns
@@ -128,6 +131,7 @@ class DecodeGraphs:
         self.device = cache.data.device
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
+        self.failed = False  # a capture failed: every step runs eager
         bs = cache.block_size
         max_rows = self.batch_sizes[-1]
         # Constants the graphs read: key positions for the mask, row indices.
@@ -158,7 +162,16 @@ class DecodeGraphs:
             return None
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(*key)
+            if self.failed:
+                return None
+            try:
+                g = self._capture(*key)
+            except Exception:
+                # A forward that does not capture (a host sync in a model's code, say) serves
+                # eager from here on: slower, the same answers.
+                log.exception("decode graph (%d rows, %d blocks) did not capture; eager", *key)
+                self.failed = True
+                return None
         self._stage(g, input_ids, positions, slots, tables)
         self.replays += 1
         return g.replay()[:b]

@@ -141,3 +141,18 @@ def test_device_greedy_equals_the_sampler() -> None:
     ):
         rows = [*plain[:4], SamplingRow(params, None, [1, 2], {})]
         assert device_greedy(logits, rows) is None
+
+
+def test_a_graph_that_does_not_capture_leaves_the_engine_eager() -> None:
+    def broken(fn):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_model("llama")
+    ps = prompts()[:3]
+    refs = [reference_greedy(model, p, 6) for p in ps]
+    settings = engine_settings(model, cpu_kernels="off")
+    engine = LLMEngine(model, None, settings, "tiny", graph_capture=broken)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = run_engine(engine, [Submission(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+    assert [results[(f"r{i}", 0)].token_ids for i in range(3)] == refs
+    assert engine.runner.graphs is not None and engine.runner.graphs.failed
