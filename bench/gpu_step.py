@@ -219,6 +219,33 @@ def make_engine(args: argparse.Namespace, variant: str, device: torch.device) ->
     return LLMEngine(model, None, settings, "bench", graph_capture=capture), model
 
 
+def kernels_of_a_step(engine: Any, out: list[str]) -> None:
+    """Kernels one decode step launches (what a graph replays), profiled eagerly on the
+    smallest captured graph: the count and the most frequent."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.graphs or engine.runner.device.type != "cuda":
+        return
+    key = min(graphs.graphs)
+    g = graphs.graphs[key]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.name[:60]] = counts.get(e.name[:60], 0) + 1
+    busy_us = sum(e.device_time for e in events)
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    line = (
+        f"one step of {key[0]} rows x {key[1]} blocks: {len(events)} kernels, "
+        f"{busy_us / 1e3:.2f} ms busy; " + "; ".join(f"{n} x{c}" for n, c in top)
+    )
+    out.append(line)
+    print("  " + line, flush=True)
+
+
 def run_peer(args: argparse.Namespace, device: torch.device, streams: int, report: Report) -> None:
     """transformers' compiled static-cache ``generate`` over ``streams`` prompts (bf16)."""
     model = build_model(args, torch.bfloat16, device)
@@ -366,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"same as {args.variants[0]}: {same or '-'}",
                     flush=True,
                 )
+            try:
+                kernels_of_a_step(engine, report.notes)
+            except Exception as e:
+                print(f"  profile: {type(e).__name__}: {e}", flush=True)
             del engine, model
         except Exception as e:  # one broken variant must not cost the rest of the run
             report.notes.append(f"{variant}: {type(e).__name__}: {e}")

@@ -94,6 +94,9 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None  # [B] long: packed positions
     decode_block_ids: torch.Tensor | None = None  # [B * max_blocks] long
     decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] bool
+    # Every packed token is a decode token, in order (the decode graphs' steps): the queries
+    # need no gather and the outputs no scatter (two kernels a layer fewer).
+    decode_all: bool = False
     # With Strait's CPU kernels (libs/engine/kernels): every token is one query row.
     kernels: Any = None  # the compiled module, or None for torch's kernels
     block_tables: torch.Tensor | None = None  # [T, max_blocks] long: the token's sequence's
@@ -148,7 +151,7 @@ def paged_attention(
             meta.cache.data,
             module.layer_idx,
             meta.slot_mapping,
-            meta.decode_token_idx,
+            None if meta.decode_all else meta.decode_token_idx,
             meta.decode_block_ids,
             meta.decode_mask,
             scale,
@@ -162,20 +165,16 @@ def paged_attention(
     _, h, t, _ = query.shape
     groups = h // hkv
     q = query[0].to(ACT)  # [H, T, D]
-    out = query.new_empty(t, h, d)  # [T, H, D]
 
     # 2a. Decode tokens: one padded, batched SDPA.
     if meta.decode_token_idx is not None:
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        od = decode_rows(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_token_idx,
-            meta.decode_block_ids,
-            meta.decode_mask,
-            scaling,
-        )
+        idx = None if meta.decode_all else meta.decode_token_idx
+        od = decode_rows(q, k_cache, v_cache, idx, meta.decode_block_ids, meta.decode_mask, scaling)
+        if meta.decode_all:
+            return od.to(query.dtype).unsqueeze(0), None
+    out = query.new_empty(t, h, d)  # [T, H, D]
+    if meta.decode_token_idx is not None:
         out.index_copy_(0, meta.decode_token_idx, od.to(out.dtype))
 
     # 2b. Prefill chunks: one SDPA per sequence.
@@ -217,7 +216,7 @@ def decode_rows(
     q: torch.Tensor,  # [H, T, D] float32
     k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
     v_cache: torch.Tensor,
-    token_idx: torch.Tensor,  # [B] long: the decode tokens' packed positions
+    token_idx: torch.Tensor | None,  # [B] long: the decode tokens' packed positions (None: all)
     block_ids: torch.Tensor,  # [B * max_blocks] long
     mask: torch.Tensor,  # [1, B, 1, max_blocks * block_size] bool
     scaling: float | None,
@@ -227,9 +226,11 @@ def decode_rows(
     hkv, d = k_cache.shape[0], k_cache.shape[3]
     h = q.shape[0]
     groups = h // hkv
-    b = token_idx.shape[0]
+    if token_idx is not None:
+        q = q.index_select(1, token_idx)
+    b = q.shape[1]
     # [H, B, D] -> [Hkv, G, B, D] -> [Hkv, B, G, D]
-    qd = q.index_select(1, token_idx).view(hkv, groups, b, d).transpose(1, 2)
+    qd = q.view(hkv, groups, b, d).transpose(1, 2)
     # [Hkv, B * max_blocks, block_size, D] is already [Hkv, B, L_max, D] in memory.
     kd = k_cache.index_select(1, block_ids).view(hkv, b, -1, d).to(ACT)
     vd = v_cache.index_select(1, block_ids).view(hkv, b, -1, d).to(ACT)
@@ -246,7 +247,7 @@ def paged_decode(
     kv: torch.Tensor,  # the whole cache: [layers, 2, Hkv, num_blocks, block_size, D]
     layer: int,
     slot_mapping: torch.Tensor,  # [T]
-    token_idx: torch.Tensor,  # [T]
+    token_idx: torch.Tensor | None,  # [T]; None: every token in order
     block_ids: torch.Tensor,  # [T * max_blocks]
     mask: torch.Tensor,  # [1, T, 1, max_blocks * block_size]
     scale: float,
@@ -256,6 +257,8 @@ def paged_decode(
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]
     write_kv(k_cache, v_cache, slot_mapping, key, value)
     od = decode_rows(query.to(ACT), k_cache, v_cache, token_idx, block_ids, mask, scale)
+    if token_idx is None:
+        return od.to(query.dtype)
     out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
     return out.index_copy_(0, token_idx, od.to(out.dtype))
 
@@ -268,7 +271,7 @@ def _paged_decode_fake(
     kv: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
-    token_idx: torch.Tensor,
+    token_idx: torch.Tensor | None,
     block_ids: torch.Tensor,
     mask: torch.Tensor,
     scale: float,

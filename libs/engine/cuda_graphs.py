@@ -101,6 +101,7 @@ class _Graph:
     staging: torch.Tensor  # host [rows * (4 + width)] int64, pinned on CUDA
     inputs: torch.Tensor  # the same on the device, read by the graph
     replay: Callable[[], torch.Tensor]  # -> logits [rows, vocab] float32
+    step: Callable[[], torch.Tensor]  # what the graph recorded, callable eagerly (profiling)
 
 
 class DecodeGraphs:
@@ -247,6 +248,7 @@ class DecodeGraphs:
                 decode_token_idx=token_idx,
                 decode_block_ids=block_ids,
                 decode_mask=mask,
+                decode_all=True,
             )
             out = self.forward(
                 input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=0, strait_attn=meta
@@ -254,7 +256,7 @@ class DecodeGraphs:
             return out.logits[0].float()  # [rows, vocab]
 
         # Capture over padding only: warm-up and capture write K/V into the scratch block.
-        g = _Graph(rows, width, staging, inputs, step)
+        g = _Graph(rows, width, staging, inputs, step, step)
         self._stage(g, [], [], [], [])
         g.replay = self.capture(step)
         self.graphs[(rows, width)] = g
