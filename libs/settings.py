@@ -249,6 +249,9 @@ class WorkerSettings(BaseModel):
     usage_publish_timeout_s: float = 5.0
     # Times a usage event is published (one Nats-Msg-Id) before it is given up with a warning.
     usage_publish_attempts: int = Field(default=3, ge=1)
+    # Warm standby (docs/planner.md): load the model and connect, then wait for SIGUSR1 before
+    # beating and taking work (`strait up` sets it for `planner.warm_standby` workers).
+    standby: bool = False
     # Stream messages each stream keeps for readers that lost some (ResendRequest), and how
     # long after the stream ends; 0: no resends.
     resend_window: int = 256
@@ -511,6 +514,10 @@ class PlannerSettings(BaseModel):
     scale_up_cooldown_s: float = Field(default=5.0, ge=0)
     scale_down_cooldown_s: float = Field(default=60.0, ge=0)
     scale_down_stable_s: float = Field(default=60.0, ge=0)
+    # Local actuator: workers of each pool role `strait up` keeps loaded but idle (no beats, no
+    # work: memory, not compute), activated first when the planner wants more workers, so a
+    # scale-up takes a signal instead of a start-up; each one used is replaced.
+    warm_standby: int = Field(default=0, ge=0)
     # Workers removed by one scale-down decision (each drains: nothing running is dropped).
     max_scale_down_step: int = Field(default=1, ge=1)
     # A pool with min_replicas = 0 goes to zero after this long without an arrival.

@@ -87,6 +87,8 @@ class Child:
     role: str = ""
     # Drained on the planner's word: it exits once its requests are done, and is not restarted.
     retiring: bool = False
+    # Warm standby (planner.warm_standby): loaded, waiting for SIGUSR1 to beat and take work.
+    standby: bool = False
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
@@ -196,14 +198,27 @@ class Fleet:
         self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
         if self.settings.planner.enabled:
             self.children.append(Child("planner", [*cli, "planner"], self.child_env()))
+            for pool in self.settings.pools:
+                for role in self.roles(pool.name):
+                    self.children += [
+                        self.worker_child(pool.name, role, standby=True)
+                        for _ in range(self.settings.planner.warm_standby)
+                    ]
+
+    def roles(self, pool: str) -> tuple[str, ...]:
+        p = self.settings.pool(pool)
+        if p is None:
+            return ()
+        return ("decode", "prefill") if p.mode == "disaggregated" else ("aggregated",)
 
     @staticmethod
     def cli() -> list[str]:
         return [sys.executable, "-m", "services.cli"]
 
-    def worker_child(self, pool: str, role: str) -> Child:
+    def worker_child(self, pool: str, role: str, standby: bool = False) -> Child:
         """A worker of ``role`` in ``pool`` with the next id (``<pool>-w<i>``, prefill
-        ``<pool>-p<i>``) and the next free /metrics port; not started."""
+        ``<pool>-p<i>``) and the next free /metrics port; not started. ``standby``: it loads
+        and then waits for SIGUSR1 (``activate``) before it beats and takes work."""
         i = self.next_index.get((pool, role), 0)
         self.next_index[(pool, role)] = i + 1
         wid = f"{pool}-{'p' if role == 'prefill' else 'w'}{i}"
@@ -214,14 +229,43 @@ class Fleet:
             STRAIT_WORKER__WORKER_ID=wid,
             STRAIT_WORKER__ROLE=role,
             STRAIT_WORKER__METRICS_PORT=str(self.next_port),
+            STRAIT_WORKER__STANDBY="true" if standby else "false",
         )
         self.next_port += 1
         command = "prefill" if role == "prefill" else "decode"
-        return Child(f"{role} {wid}", [*self.cli(), command], env, pool=pool, role=role)
+        name = f"{role} {wid}" + (" (standby)" if standby else "")
+        return Child(name, [*self.cli(), command], env, pool=pool, role=role, standby=standby)
 
     def workers(self, pool: str, role: str) -> list[Child]:
-        """The pool role's workers that are not draining away."""
-        return [c for c in self.children if c.pool == pool and c.role == role and not c.retiring]
+        """The pool role's serving workers that are not draining away."""
+        return [
+            c
+            for c in self.children
+            if c.pool == pool and c.role == role and not c.retiring and not c.standby
+        ]
+
+    def activate_standby(self, pool: str, role: str) -> Child | None:
+        """Turn one live standby worker of the pool role into a serving one (SIGUSR1) and start
+        a new standby in its place; None when there is none ready."""
+        ready = [
+            c
+            for c in self.children
+            if c.pool == pool and c.role == role and c.standby and c.alive() and c.proc
+        ]
+        if not ready:
+            return None
+        c = ready[0]
+        assert c.proc is not None
+        c.proc.send_signal(signal.SIGUSR1)
+        c.standby = False
+        # Restarted after a crash it must serve, not wait again.
+        c.env["STRAIT_WORKER__STANDBY"] = "false"
+        c.name = c.name.removesuffix(" (standby)")
+        spare = self.worker_child(pool, role, standby=True)
+        self.children.append(spare)
+        spare.start()
+        say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
+        return c
 
     def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
         """The local actuator's word (services/planner/actuators.py): start workers up to
@@ -231,6 +275,10 @@ class Fleet:
             return
         live = self.workers(pool, role)
         for _ in range(replicas - len(live)):
+            c = self.activate_standby(pool, role)
+            if c is not None:
+                say(f"planner: activated {c.name} from warm standby ({reason})")
+                continue
             c = self.worker_child(pool, role)
             self.children.append(c)
             c.start()

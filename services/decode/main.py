@@ -9,7 +9,10 @@ or a ``DrainRequest`` on ``admin.drain.<worker_id>`` (``strait drain``): both dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -67,7 +70,16 @@ async def run_worker(
     tasks: list[asyncio.Task[None]],
 ) -> None:
     """Serve ``work.<id>`` and ``cancel.>`` (plus the role's own ``subs`` and ``tasks``) and
-    beat until SIGTERM; then drain running requests and close. The decode and prefill mains."""
+    beat until SIGTERM; then drain running requests and close. The decode and prefill mains.
+    A standby worker (``worker.standby``) waits, loaded and connected, for SIGUSR1 first."""
+    if worker.settings.worker.standby and not await standby(ctx, worker):
+        for t in tasks:
+            t.cancel()
+        for s in subs:
+            await s.unsubscribe()
+        await nc.drain()
+        await worker.backend.stop()
+        return
     ctx.serving(lambda: nc.is_connected and not worker.draining)
 
     async def on_drain(msg: Msg) -> None:
@@ -115,6 +127,35 @@ async def run_worker(
         await worker.backend.stop()
 
 
+# Set by SIGUSR1 (``arm_standby``): a standby worker may be told to serve while it still loads.
+_ACTIVATED = threading.Event()
+# Seconds between a standby worker's looks at that flag.
+STANDBY_POLL_S = 0.05
+
+
+def arm_standby(settings: Settings) -> None:
+    """Before anything loads: a standby worker's SIGUSR1 only sets a flag (its default action
+    would end the process)."""
+    if settings.worker.standby:
+        signal.signal(signal.SIGUSR1, lambda _sig, _frame: _ACTIVATED.set())
+
+
+async def standby(ctx: ServiceContext, worker: Worker) -> bool:
+    """Warm standby (docs/planner.md): the model is loaded and NATS connected, but the worker
+    neither beats nor subscribes to work, so nothing is routed to it. ``strait up``'s
+    supervisor sends SIGUSR1 when the planner wants one more worker; True once activated,
+    False when stopped first."""
+    log.info("worker on standby", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
+    while not _ACTIVATED.is_set():
+        with contextlib.suppress(TimeoutError):  # the flag is set from a signal handler
+            await asyncio.wait_for(ctx.stopping.wait(), STANDBY_POLL_S)
+        if ctx.stopping.is_set():
+            return False
+    log.info("worker activated", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
+    return True
+
+
 def main(settings: Settings | None = None) -> int:
     settings = settings or get_settings()
+    arm_standby(settings)
     return run_service("worker", serve, settings, http_port=settings.worker.metrics_port)

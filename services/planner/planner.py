@@ -41,6 +41,10 @@ class PoolView:
     demand_while_zero: bool = False
 
 
+# Beat TTLs (router.worker_ttl_s) after its start before the planner decides anything.
+WARMUP_TTLS = 2
+
+
 def roles_of(pool: PoolSettings) -> tuple[PlanRole, ...]:
     return ("prefill", "decode") if pool.mode == "disaggregated" else ("aggregated",)
 
@@ -117,7 +121,11 @@ class Planner:
     # ------------------------------------------------------------ decisions
 
     def plan(self, now: float) -> list[PlanDecision]:
+        """One decision per pool role; none until the workers' beats have had time to arrive
+        (a planner that starts must not take the workers it has not heard yet for none)."""
         self._roll(now)
+        if now - self.started < self.settings.router.worker_ttl_s * WARMUP_TTLS:
+            return []
         out = []
         for pool in self.settings.pools:
             for role in roles_of(pool):

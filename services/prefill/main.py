@@ -12,7 +12,7 @@ from libs.engine.async_engine import AsyncEngineBackend
 from libs.nats_util import connect
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
-from services.decode.main import run_worker
+from services.decode.main import arm_standby, run_worker
 from services.prefill.worker import PrefillWorker, PrefixCache
 
 
@@ -41,4 +41,5 @@ async def serve(ctx: ServiceContext) -> None:
 
 def main(settings: Settings | None = None) -> int:
     settings = settings or get_settings()
+    arm_standby(settings)
     return run_service("prefill", serve, settings, http_port=settings.worker.metrics_port)

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -64,6 +66,10 @@ WAVE_RPS, WAVE_S, WAVE_TOKENS = 8.0, 8.0, 40
 TAIL_RPS, TAIL_S, TAIL_TOKENS = 1.0, 14.0, 80
 
 
+# Seconds from the scale-up decision to the activated standby's first beat (beats every 0.2 s).
+STANDBY_BEAT_BOUND_S = 1.5
+
+
 async def send_wave(client: StraitClient, rps: float, seconds: float, tokens: int) -> list[int]:
     """Requests at ``rps`` for ``seconds``, each read to its end; their completion tokens."""
 
@@ -78,12 +84,13 @@ async def send_wave(client: StraitClient, rps: float, seconds: float, tokens: in
     return list(await asyncio.gather(*tasks))
 
 
-def test_planner_scales_up_under_a_wave_and_drains_down_dropping_nothing(
-    tmp_path: Path, nats_url: str
-) -> None:
+@contextmanager
+def strait_up(tmp_path: Path, nats_url: str, config: str) -> Iterator[tuple[str, Path]]:
+    """`strait up` on ``config`` against the test's nats-server, subjects of its own; yields
+    (subject prefix, its log) once the fleet is ready, and stops it with SIGINT."""
     prefix = unique_prefix()
     tag = prefix.split(".")[0].upper()
-    (tmp_path / "strait.toml").write_text(FLEET)
+    (tmp_path / "strait.toml").write_text(config)
     env = dict(os.environ)
     env.update(
         STRAIT_CONFIG=str(tmp_path / "strait.toml"),
@@ -108,13 +115,20 @@ def test_planner_scales_up_under_a_wave_and_drains_down_dropping_nothing(
         while "fleet ready" not in log.read_text():
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
-        plans, workers, draining = asyncio.run(scenario(nats_url, prefix))
+        yield prefix, log
     finally:
         up.send_signal(signal.SIGINT)
         try:
             up.wait(timeout=40)
         except subprocess.TimeoutExpired:
             up.kill()
+
+
+def test_planner_scales_up_under_a_wave_and_drains_down_dropping_nothing(
+    tmp_path: Path, nats_url: str
+) -> None:
+    with strait_up(tmp_path, nats_url, FLEET) as (prefix, log):
+        plans, workers, draining = asyncio.run(scenario(nats_url, prefix))
     text = log.read_text()
     ups = [p for p in plans if p.reason == "scale_up"]
     downs = [p for p in plans if p.reason == "scale_down"]
@@ -122,6 +136,23 @@ def test_planner_scales_up_under_a_wave_and_drains_down_dropping_nothing(
     assert len(workers) >= 2, (workers, text[-4000:])  # the supervisor started workers
     assert downs and draining, text[-4000:]  # and drained one on the planner's word
     assert "planner: draining" in text and "drained and exited (0)" in text, text[-4000:]
+
+
+def test_warm_standby_serves_within_a_beat_of_the_decision(tmp_path: Path, nats_url: str) -> None:
+    """With `planner.warm_standby = 1` the second worker is loaded before the wave: the
+    scale-up activates it (SIGUSR1) instead of starting a process, and a new standby takes
+    its place."""
+    config = FLEET.replace("[planner]\n", "[planner]\nwarm_standby = 1\n").replace(
+        "max_replicas = 3", "max_replicas = 2"
+    )
+    with strait_up(tmp_path, nats_url, config) as (prefix, log):
+        first_beat, first_up = asyncio.run(standby_scenario(nats_url, prefix))
+    text = log.read_text()
+    assert "activated aggregated default-w1 from warm standby" in text, text[-4000:]
+    assert "planner: started aggregated default-w2 (standby)" in text, text[-4000:]
+    assert first_up is not None and "default-w1" in first_beat, (first_beat, text[-4000:])
+    # A cold FAKE worker beats ~4-6 s after its start on 2 cores; an activated one at once.
+    assert first_beat["default-w1"] - first_up < STANDBY_BEAT_BOUND_S, (first_beat, first_up)
 
 
 async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[str], set[str]]:
@@ -155,3 +186,32 @@ async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[
     finally:
         await nc.drain()
     return plans, workers, draining
+
+
+async def standby_scenario(nats_url: str, prefix: str) -> tuple[dict[str, float], float | None]:
+    """A wave; returns each worker's first beat and the first scale-up decision (monotonic)."""
+    import nats
+
+    subjects = Subjects(prefix)
+    first_beat: dict[str, float] = {}
+    first_up: list[float] = []
+    nc = await nats.connect(nats_url)
+
+    async def on_plan(msg: object) -> None:
+        d = msgspec.json.decode(msg.data, type=PlanDecision)  # type: ignore[attr-defined]
+        if d.reason == "scale_up" and not first_up:
+            first_up.append(time.monotonic())
+
+    async def on_beat(msg: object) -> None:
+        b = msgspec.json.decode(msg.data, type=WorkerBeat)  # type: ignore[attr-defined]
+        first_beat.setdefault(b.worker_id, time.monotonic())
+
+    await nc.subscribe(subjects.plans_all, cb=on_plan)
+    await nc.subscribe(subjects.beats_all, cb=on_beat)
+    try:
+        async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
+            wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+            assert wave == [WAVE_TOKENS] * len(wave)
+    finally:
+        await nc.drain()
+    return first_beat, first_up[0] if first_up else None
