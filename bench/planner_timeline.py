@@ -6,6 +6,7 @@ second; then when the planner decided, when the new workers beat, and what was l
 
     .venv/bin/python -m bench.planner_timeline                  # ~90 s
     .venv/bin/python -m bench.planner_timeline --wave-rps 12 --max-replicas 4
+    .venv/bin/python -m bench.planner_timeline --standby 3     # scale-out from warm standby
 
 The workers run the FAKE engine (libs/fake_engine.py: sleeps, no model): this measures the
 planner, the supervisor and a worker's start on this machine, not a model's speed. A worker
@@ -48,6 +49,7 @@ per_token_s = {per_token_s}
 per_prompt_token_s = 0.0
 [planner]
 enabled = true
+warm_standby = {standby}
 metrics_port = 0
 interval_s = {interval_s}
 bucket_s = {bucket_s}
@@ -134,7 +136,7 @@ def report(args: argparse.Namespace, tl: Timeline, machine: str) -> None:
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine}; FAKE engine, "
         f"{args.slots} slots x {args.tokens} tokens x {args.per_token_s} s; calm "
         f"{args.calm_rps}/s {args.calm_s:g} s, wave {args.wave_rps}/s {args.wave_s:g} s, "
-        f"calm {args.after_s:g} s"
+        f"calm {args.after_s:g} s; warm standby {args.standby}"
     )
     print(
         "| t s | sent/s | target | reason | forecast rps | workers | draining | waiting | TTFT p50 s |"
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wave-s", type=float, default=30.0)
     p.add_argument("--after-s", type=float, default=40.0)
     p.add_argument("--max-replicas", type=int, default=4)
+    p.add_argument("--standby", type=int, default=0, help="planner.warm_standby")
     p.add_argument("--ttft-slo-s", type=float, default=1.0)
     p.add_argument("--interval-s", type=float, default=0.5)
     p.add_argument("--bucket-s", type=float, default=1.0)
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             bucket_s=args.bucket_s,
             horizon_s=args.horizon_s,
             max_replicas=args.max_replicas,
+            standby=args.standby,
             ttft_slo_s=args.ttft_slo_s,
             service_s=args.tokens * args.per_token_s,
         )
