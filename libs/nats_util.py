@@ -145,15 +145,9 @@ def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
     """The JetStream streams Strait uses, with their limits."""
     subjects = Subjects(settings.subject_prefix)
     return [
-        StreamConfig(
-            name=settings.requests_stream,
-            subjects=[subjects.requests, subjects.team_requests_all],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            max_age=settings.request_max_age_s,
-            max_msg_size=settings.max_payload,
-            num_replicas=settings.stream_replicas,
-        ),
+        # The fleet's own requests; each team's have a stream of their own
+        # (team_stream_config), which routers read beside this one.
+        _requests_queue(settings, settings.requests_stream, subjects.requests),
         StreamConfig(
             name=settings.events_stream,
             subjects=[subjects.events_all],
@@ -182,6 +176,43 @@ def cache_events_stream_config(settings: NatsSettings) -> StreamConfig:
 async def provision(js: JetStreamContext, settings: NatsSettings) -> None:
     for cfg in stream_configs(settings):
         await ensure_stream(js, cfg)
+
+
+def team_stream_name(settings: NatsSettings, team: str) -> str:
+    return f"{settings.requests_stream}_{team}"
+
+
+def team_stream_config(settings: NatsSettings, team: str) -> StreamConfig:
+    """Team ``team``'s requests queue (``requests.<team>``, where its account's import writes).
+    One stream a team because JetStream de-duplicates ``Nats-Msg-Id`` per stream: a team's
+    ids can never suppress another's. (Sourcing the teams' streams into one would not do: a
+    stream de-duplicates what it sources too.) Routers consume each with their durable."""
+    subject = Subjects(settings.subject_prefix).team_requests(team)
+    return _requests_queue(settings, team_stream_name(settings, team), subject)
+
+
+def _requests_queue(settings: NatsSettings, name: str, subject: str) -> StreamConfig:
+    """A work queue of requests on ``subject``, each kept once per ``Nats-Msg-Id``."""
+    return StreamConfig(
+        name=name,
+        subjects=[subject],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=settings.request_max_age_s,
+        duplicate_window=settings.request_dedupe_window_s,
+        max_msg_size=settings.max_payload,
+        num_replicas=settings.stream_replicas,
+    )
+
+
+async def ensure_team_streams(
+    js: JetStreamContext, settings: NatsSettings, teams: list[str]
+) -> None:
+    """Each team's requests stream; idempotent. ``strait teams add`` calls it before the
+    server lets the team in (its first request is stored at once), routers at start and when
+    the teams file changes."""
+    for team in teams:
+        await ensure_stream(js, team_stream_config(settings, team))
 
 
 def work_queue_consumer(
@@ -532,10 +563,12 @@ class StreamWriter:
         first_seq: int = 1,
         owner: Callable[[], bool] | None = None,
         keep: int = 0,
+        key: str = "",
     ) -> None:
         self._nc = nc
         self.subject = subject
-        self.request_id = request_id
+        self.request_id = request_id  # as the stream's messages name it
+        self.key = key or request_id  # GenerateRequest.key: how the worker's maps know it
         self._seq = first_seq - 1  # a decode worker continues a stream a prefill worker began
         self._owner = owner
         # The last ``keep`` messages sent, as (seq, bytes), for resend().

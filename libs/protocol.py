@@ -172,6 +172,11 @@ class GenerateRequest(Struct, kw_only=True):
     # from the subject a team's request arrived on (``Subjects.team_requests``); the gateway
     # sets it from the API key's team.
     team: str | None = None
+    # The team account the request came in through (``Subjects.team_requests``), written by the
+    # router from the subject, never believed from the payload; None: the fleet's own account
+    # (the gateway, internal clients). A request is identified by (origin, request_id): each
+    # team chooses its own ids, so two teams may use the same one (``request_key``).
+    origin: str | None = None
     user: str | None = None
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
     # Extra stream messages: echo the chosen route before the first token.
@@ -184,6 +189,11 @@ class GenerateRequest(Struct, kw_only=True):
     tool_choice: ToolChoice = "auto"
     tool_name: str | None = None  # force a call of this function (OpenAI's named tool_choice)
     parallel_tool_calls: bool = True
+
+    @property
+    def key(self) -> str:
+        """The request's identity inside the fleet: ``request_key(origin, request_id)``."""
+        return request_key(self.origin, self.request_id)
 
 
 class RouteReason(Struct):
@@ -243,7 +253,10 @@ class ResendRequest(Struct, kw_only=True):
 
 
 class CancelRequest(Struct):
-    """Anyone → ``Subjects.cancel(request_id)``. Workers free the request's blocks."""
+    """Anyone → ``Subjects.cancel(request_id)``. Workers free the request's blocks. A team's
+    cancel reaches the fleet as ``cancel.<team>.<request_id>`` and counts only for that
+    team's request of that id; the fleet cancels a team's request on the same subject
+    (``Subjects.cancel_key(request.key)``)."""
 
     v: int = PROTOCOL_VERSION
     request_id: str = ""
@@ -480,6 +493,7 @@ class HandoffCommit(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     transfer_id: str
     request_id: str
+    origin: str | None = None  # GenerateRequest.origin
     kv_blocks: int = 0  # blocks sent (after HandoffReply.cached_blocks)
     kv_bytes: int = 0
     kv_chunks: int = 0  # chunk messages published before this commit
@@ -518,6 +532,7 @@ class StreamOwner(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     request_id: str
     worker_id: str
+    origin: str | None = None  # GenerateRequest.origin
 
 
 class HandoffAbort(Struct, kw_only=True):
@@ -527,6 +542,7 @@ class HandoffAbort(Struct, kw_only=True):
     transfer_id: str
     request_id: str
     reason: str = ""
+    origin: str | None = None  # GenerateRequest.origin
 
 
 # ---------------------------------------------------------------- planner
@@ -566,10 +582,13 @@ class PlanDecision(Struct, kw_only=True):
 
 
 class UsageEvent(Struct, kw_only=True):
-    """One per request, at its end; the ledger upserts by ``request_id``."""
+    """One per request, at its end; the ledger upserts by (``origin``, ``request_id``)."""
 
     v: int = PROTOCOL_VERSION
     request_id: str
+    # GenerateRequest.origin: with request_id, the request's identity (a team account's ids
+    # are its own; another team may use the same).
+    origin: str | None = None
     api_key_id: str | None = None
     team: str | None = None  # GenerateRequest.team
     pool: str = ""
@@ -597,6 +616,7 @@ class RouteDecision(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     request_id: str
     route: RouteReason
+    origin: str | None = None  # GenerateRequest.origin
     decided_at: float = msgspec.field(default_factory=time.time)
     decision_s: float = 0.0
 
@@ -749,6 +769,11 @@ class Subjects:
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}.cancel.{request_id}"
 
+    def cancel_key(self, key: str) -> str:
+        """Where the fleet cancels the request of ``key`` (``GenerateRequest.key``): a team's
+        request on the subject its team's own cancel arrives on, ``cancel.<team>.<id>``."""
+        return f"{self.prefix}.cancel.{key}"
+
     @property
     def cancel_all(self) -> str:
         """The fleet's cancels and the teams' (``cancel.<team>.<request_id>``)."""
@@ -895,6 +920,12 @@ def encode(msg: msgspec.Struct) -> bytes:
 MAX_REQUEST_ID_CHARS = 128
 # A team name is a subject token and part of a NATS account name.
 TEAM_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def request_key(origin: str | None, request_id: str) -> str:
+    """The fleet's key of a request: its id, or ``<team>.<id>`` for a team account's request.
+    Unambiguous: request ids hold no ``.`` (``usable_request_id``) and team names none."""
+    return request_id if origin is None else f"{origin}.{request_id}"
 
 
 def valid_team(name: str) -> bool:

@@ -40,6 +40,9 @@ class NatsSettings(BaseModel):
     cache_events_stream: str = "STRAIT_CACHE_EVENTS"
     # Keep at most this long in the requests stream before a router takes it.
     request_max_age_s: float = 300.0
+    # Seconds a request's Nats-Msg-Id is remembered: a publish repeated within it (a lost ack)
+    # is stored once. Each team's requests have their own window (their own stream).
+    request_dedupe_window_s: float = 120.0
     events_max_age_s: float = 7 * 24 * 3600.0
     # Cache events older than this leave the stream; a replay then misses blocks stored
     # earlier that are still held (the index under-reports, it never over-reports for long).
@@ -47,6 +50,9 @@ class NatsSettings(BaseModel):
     # Copies of each JetStream stream in a NATS cluster (1 on one server; 3 on the 3-node
     # cluster of deploy/k8s, so a lost node loses no queued request or usage event).
     stream_replicas: int = 1
+    # HTTP monitoring port, on the server's host, of the nats-server that `strait up --secure`
+    # starts: `strait teams` reads it to know when the server has taken a change of teams.
+    monitor_port: int = 8222
     # Credentials (docs/security.md; empty: none, the embedded single-account server).
     # An nkey seed file ("SU..."): the fleet's own in a secured fleet (`strait up --secure`).
     nkey_seed_file: str = ""

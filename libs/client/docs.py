@@ -113,6 +113,14 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "workers (`cancel_all`)",
         True,
     ),
+    "cancel_key": SubjectDoc(
+        ("<team>.<request_id> | <request_id>",),
+        "CancelRequest",
+        "core NATS",
+        "router (a request it moves: `cancel.<GenerateRequest.key>`)",
+        "workers (`cancel_all`): a team's request of that id, or the fleet's",
+        False,
+    ),
     "cancel_all": SubjectDoc((), "CancelRequest", "core NATS", "—", "workers", False),
     "resend": SubjectDoc(
         ("<request_id>",),

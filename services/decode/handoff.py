@@ -44,6 +44,7 @@ from libs.protocol import (
     StreamOwner,
     decode,
     encode,
+    request_key,
 )
 from libs.telemetry import extract_context
 from services.deadletter import dead_letter
@@ -103,10 +104,10 @@ class HandoffReceiver:
 
     def _refusal(self, offer: HandoffOffer) -> str:
         w = self.worker
-        rid = offer.assignment.request.request_id
+        key = offer.assignment.request.key
         if w.draining:
             return "draining"
-        if offer.transfer_id in self.transfers or rid in w.tasks:
+        if offer.transfer_id in self.transfers or key in w.tasks:
             return "duplicate"
         if len(w.tasks) + len(self.transfers) >= w.settings.worker.max_waiting + w.load_capacity():
             return "full"
@@ -184,7 +185,8 @@ class HandoffReceiver:
 
     async def _admit(self, t: _Transfer, c: HandoffCommit, parent: Context) -> HandoffResult:
         offer = t.offer
-        rid = offer.assignment.request.request_id
+        req = offer.assignment.request
+        rid, key = req.request_id, req.key
         if not t.complete.is_set():
             missing = sum(1 for i in range(c.kv_chunks) if i not in t.chunks)
             return HandoffResult(ok=False, reason=f"missing_chunks: {missing} of {c.kv_chunks}")
@@ -196,21 +198,16 @@ class HandoffReceiver:
             except (ValueError, BackendError) as e:
                 return HandoffResult(ok=False, reason=f"bad_blocks: {e}")
             metrics.HANDOFF_BYTES.labels(side="decode").inc(c.kv_bytes)
-        if rid in self.worker.recently_cancelled and self.worker.recently_cancelled[rid] in (
-            None,
-            offer.assignment.request.team,
-        ):
+        if key in self.worker.recently_cancelled:
             return HandoffResult(ok=False, reason="cancelled")
-        if self.worker.draining or rid in self.worker.tasks:
+        if self.worker.draining or key in self.worker.tasks:
             return HandoffResult(
                 ok=False, reason="draining" if self.worker.draining else "duplicate"
             )
-        self.started[rid] = offer.transfer_id
-        task = self.worker.start_task(
-            offer.assignment.request, self.worker.serve(offer.assignment, parent, offer)
-        )
-        task.add_done_callback(lambda _: self.started.pop(rid, None))
-        owner = StreamOwner(request_id=rid, worker_id=self.worker.worker_id)
+        self.started[key] = offer.transfer_id
+        task = self.worker.start_task(req, self.worker.serve(offer.assignment, parent, offer))
+        task.add_done_callback(lambda _: self.started.pop(key, None))
+        owner = StreamOwner(request_id=rid, origin=req.origin, worker_id=self.worker.worker_id)
         await self.worker.nc.publish(self.worker.subjects.stream_owner, encode(owner))
         log.info(
             "handoff admitted",
@@ -233,9 +230,10 @@ class HandoffReceiver:
             await dead_letter(self.nc, self.subjects, msg, str(e), "decode")
             return
         self.transfers.pop(a.transfer_id, None)
-        if self.started.get(a.request_id) == a.transfer_id:
-            task = self.worker.tasks.get(a.request_id)
-            self.worker.backend.abort(a.request_id)
+        key = request_key(a.origin, a.request_id)
+        if self.started.get(key) == a.transfer_id:
+            task = self.worker.tasks.get(key)
+            self.worker.backend.abort(key)
             if task is not None:
                 task.cancel()
         metrics.HANDOFFS.labels(side="decode", outcome="aborted").inc()

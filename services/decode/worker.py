@@ -48,6 +48,7 @@ from libs.protocol import (
     WorkerBeat,
     decode,
     encode,
+    request_key,
     validate_request,
 )
 from libs.settings import Settings
@@ -58,7 +59,7 @@ from services.decode import metrics
 
 log = logging.getLogger("strait.worker")
 
-# Request ids of recent cancels a worker remembers (a cancel can overtake a handoff's commit).
+# Request keys of recent cancels a worker remembers (a cancel can overtake a handoff's commit).
 RECENT_CANCELS = 4096
 
 
@@ -75,14 +76,15 @@ class Worker:
         self.role = settings.worker.role
         self.worker_id = worker_id or settings.worker.worker_id or default_worker_id(self.pool)
         self.subjects = Subjects(settings.nats.subject_prefix)
+        # Every map of requests is keyed by GenerateRequest.key, (origin, id): two teams may
+        # run requests of the same id here at once.
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.draining = False
         self._tracer = tracer("strait.worker")
         self.log = log
         # Cancels seen (bounded): a handoff committed after its request's cancel is refused.
-        # Value: the team that cancelled (a team's cancel only counts for its own requests).
-        self.recently_cancelled: OrderedDict[str, str | None] = OrderedDict()
-        # Running request id → its team (GenerateRequest.team), for teams' cancels.
+        self.recently_cancelled: OrderedDict[str, None] = OrderedDict()
+        # Running request → its team (GenerateRequest.team), for revocations.
         self.teams: dict[str, str | None] = {}
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
@@ -117,7 +119,7 @@ class Worker:
             log.exception("assignment could not be validated")
             await self._reject_malformed(msg, ProtocolError("invalid_request", repr(e)))
             return
-        rid = a.request.request_id
+        key = a.request.key
         if (
             self.draining
             or len(self.tasks) >= self.settings.worker.max_waiting + self.load_capacity()
@@ -129,7 +131,7 @@ class Worker:
         if a.migration is not None and self.role == "decode":
             await self._ack(msg, AssignmentAck(accepted=False, reason="migration_unsupported"))
             return
-        if rid in self.tasks:  # duplicate delivery of an assignment we already run
+        if key in self.tasks:  # duplicate delivery of an assignment we already run
             await self._ack(msg, AssignmentAck(accepted=True, reason="duplicate"))
             return
         await self._ack(msg, AssignmentAck(accepted=True))
@@ -140,13 +142,13 @@ class Worker:
         self, req: GenerateRequest, coro: Coroutine[Any, Any, None]
     ) -> asyncio.Task[None]:
         """Run ``coro`` as ``req``'s task (``tasks``), remembering its team until it ends."""
-        rid = req.request_id
+        key = req.key
         task = asyncio.create_task(coro)
-        self.tasks[rid], self.teams[rid] = task, req.team
+        self.tasks[key], self.teams[key] = task, req.team
 
         def done(t: asyncio.Task[None]) -> None:
-            if self.tasks.get(rid) in (None, t):
-                self.teams.pop(rid, None)
+            if self.tasks.get(key) in (None, t):
+                self.teams.pop(key, None)
 
         task.add_done_callback(done)
         return task
@@ -162,23 +164,19 @@ class Worker:
         except ValueError:
             await dead_letter(self.nc, self.subjects, msg, "not a cancel subject", "worker")
             return
-        if team is not None and rid in self.tasks and self.teams.get(rid) != team:
-            # A team's cancel counts only for that team's own requests.
-            log.warning(
-                "cancel refused: another team's request", extra=fields(request_id=rid, team=team)
-            )
-            return
         if c.worker_id and c.worker_id != self.worker_id:
             return  # the request was taken from another worker, and runs here now
-        self.recently_cancelled[rid] = team
+        # A team's cancel (cancel.<team>.<id>) names that team's request and no other.
+        key = request_key(team, rid)
+        self.recently_cancelled[key] = None
         while len(self.recently_cancelled) > RECENT_CANCELS:
             self.recently_cancelled.popitem(last=False)
-        self._cancel(rid)
+        self._cancel(key)
 
-    def _cancel(self, rid: str) -> None:
-        task = self.tasks.get(rid)
+    def _cancel(self, key: str) -> None:
+        task = self.tasks.get(key)
         if task is not None:
-            self.backend.abort(rid)
+            self.backend.abort(key)
             task.cancel()
             metrics.CANCELLED.inc()
 
@@ -190,9 +188,9 @@ class Worker:
             await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
             return
         revoked = set(tc.revoked)
-        for rid in [r for r, t in self.teams.items() if t in revoked]:
-            log.info("cancelling a revoked team's request", extra=fields(request_id=rid))
-            self._cancel(rid)
+        for key in [k for k, t in self.teams.items() if t in revoked]:
+            log.info("cancelling a revoked team's request", extra=fields(request_id=key))
+            self._cancel(key)
 
     async def on_resend(self, msg: Msg) -> None:
         """A reader lost stream messages: publish again what this worker still holds."""
@@ -205,25 +203,21 @@ class Worker:
             team, rid = self.subjects.addressed(msg.subject, "resend")
         except ValueError:
             return
-        held = self.writers.get(rid) or self.ended_writers.get(rid, (None, 0.0))[0]
-        if (
-            held is not None
-            and team is not None
-            and held.subject != self.subjects.team_stream(team, rid)
-        ):
-            return  # a team asks only for its own streams
+        # A team's resend (resend.<team>.<id>) names that team's stream and no other.
+        key = request_key(team, rid)
+        held = self.writers.get(key) or self.ended_writers.get(key, (None, 0.0))[0]
         if held is not None:
             n = await held.resend(r.from_seq)
             metrics.RESENT.inc(n)
             log.info("resent", extra=fields(request_id=rid, from_seq=r.from_seq, messages=n))
 
-    def _keep_ended(self, rid: str) -> None:
+    def _keep_ended(self, key: str) -> None:
         """Keep an ended request's writer for ``worker.resend_keep_s`` (bounded by age)."""
-        out = self.writers.pop(rid, None)
+        out = self.writers.pop(key, None)
         now = time.monotonic()
         keep_s = self.settings.worker.resend_keep_s
         if out is not None and out.sent and keep_s > 0:
-            self.ended_writers[rid] = (out, now)
+            self.ended_writers[key] = (out, now)
         while self.ended_writers:
             _, (_, ended) = next(iter(self.ended_writers.items()))
             if now - ended <= keep_s:
@@ -282,6 +276,7 @@ class Worker:
         if self.settings.worker.report_usage:
             ev = UsageEvent(
                 request_id=out.request_id,
+                origin=a.request.origin,
                 api_key_id=a.request.api_key_id,
                 team=a.request.team,
                 pool=self.pool,
@@ -310,7 +305,7 @@ class Worker:
                 self.nc.jetstream(),
                 self.subjects.worker_usage,
                 encode(ev),
-                f"usage-worker-{ev.request_id}",
+                f"usage-worker-{request_key(ev.origin, ev.request_id)}",
                 w.usage_publish_timeout_s,
                 w.usage_publish_attempts,
             )
@@ -330,10 +325,10 @@ class Worker:
         client, since a cancelling client is gone."""
         rid = out.request_id
         if isinstance(e, StreamTaken):
-            self.backend.abort(rid)
+            self.backend.abort(out.key)
             return "moved", "presumed_lost"
         if isinstance(e, asyncio.CancelledError):
-            self.backend.abort(rid)
+            self.backend.abort(out.key)
             if self.draining and not self.migrates_on_drain():
                 await out.send(
                     ErrorMessage(
@@ -383,7 +378,7 @@ class Worker:
         was computed by a prefill worker: its blocks are already imported, its first token is
         resumed, and the stream continues at ``handoff.next_seq``."""
         req = a.request
-        rid = req.request_id
+        rid, key = req.request_id, req.key
         subject = req.reply_subject or self.subjects.stream(rid)
         mig = a.migration
         first_seq = handoff.next_seq if handoff else mig.next_seq if mig else 1
@@ -394,8 +389,9 @@ class Worker:
             first_seq,
             owner=self.owns_streams,
             keep=self.settings.worker.resend_window,
+            key=key,
         )
-        self.writers[rid] = out
+        self.writers[key] = out
         started = time.perf_counter()
         # Time to first token as the client sees it from the workers' side: a handed-off
         # request already spent prefill_s on the prefill worker.
@@ -445,7 +441,7 @@ class Worker:
                 # Every delta was streamed; only the stream's end was lost with the worker.
                 await self.send_finished(out, a, usage, None, time.perf_counter() - started)
                 return
-            gen = self.backend.generate(rid, prompt, req.sampling, req.priority, resume)
+            gen = self.backend.generate(key, prompt, req.sampling, req.priority, resume)
             async for chunk in gen:
                 now = time.perf_counter()
                 if ttft is None and (chunk.token_ids or chunk.finish_reason):
@@ -493,7 +489,7 @@ class Worker:
                 span.set_attribute("strait.spec_proposed_tokens", spec[0])
                 span.set_attribute("strait.spec_accepted_tokens", spec[1])
             self.finish(
-                rid,
+                key,
                 span,
                 status,
                 error_code,
@@ -522,7 +518,7 @@ class Worker:
 
     def finish(
         self,
-        rid: str,
+        key: str,
         span: trace.Span,
         status: str,
         error_code: str,
@@ -532,15 +528,15 @@ class Worker:
         """A request's end, whatever it was: metrics, span status, the one INFO log line."""
         metrics.RUNNING.dec()
         metrics.REQUESTS.labels(status=status).inc()
-        self._keep_ended(rid)
+        self._keep_ended(key)
         if status != "ok":
             span.set_status(trace.StatusCode.ERROR, error_code)
         span.end()
-        self.tasks.pop(rid, None)
+        self.tasks.pop(key, None)
         self.log.info(
             "request",
             extra=fields(
-                request_id=rid,
+                request_id=key,  # a team account's request: <team>.<id>
                 status=status,
                 error=error_code or None,
                 pool=self.pool,

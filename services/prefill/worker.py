@@ -92,7 +92,7 @@ class PrefillWorker(Worker):
         self, a: Assignment, parent: Context, handoff: HandoffOffer | None = None
     ) -> None:
         req = a.request
-        rid = req.request_id
+        rid, key = req.request_id, req.key
         # A migrated request: another worker streamed ``replayed``; this stream goes on after.
         mig = a.migration
         replayed = mig.output_token_ids if mig is not None else []
@@ -102,6 +102,7 @@ class PrefillWorker(Worker):
             rid,
             mig.next_seq if mig is not None else 1,
             owner=self.owns_streams,
+            key=key,
         )
         started = time.perf_counter()
         status, error_code = "ok", ""
@@ -132,7 +133,7 @@ class PrefillWorker(Worker):
             # token from the same logits, as an aggregated worker would.
             many = req.sampling.n > 1
             one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
-            res = await self.engine.prefill(rid, prompt, one, req.priority, replayed)
+            res = await self.engine.prefill(key, prompt, one, req.priority, replayed)
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
             metrics.TTFT.observe(prefill_s)
@@ -166,7 +167,7 @@ class PrefillWorker(Worker):
             status, error_code = await self.fail(out, e)
         finally:
             self.finish(
-                rid,
+                key,
                 span,
                 status,
                 error_code,
@@ -268,8 +269,9 @@ class PrefillWorker(Worker):
         those the decode worker already holds are sent. Whatever fails after the offer was
         accepted, the decode side is told to forget the transfer."""
         timeout = self.cfg.request_timeout_s
-        rid = offer.assignment.request.request_id
-        commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid)
+        req = offer.assignment.request
+        rid, origin = req.request_id, req.origin
+        commit = HandoffCommit(transfer_id=offer.transfer_id, request_id=rid, origin=origin)
         reply = await self._request(self.subjects.handoff_offer(decode_id), offer, timeout)
         if reply is None:
             return "no answer to the offer", commit
@@ -291,7 +293,9 @@ class PrefillWorker(Worker):
         except (msgspec.DecodeError, msgspec.ValidationError):
             result = None
         except asyncio.CancelledError:  # the client cancelled mid-handoff: release the decode side
-            abort = HandoffAbort(transfer_id=offer.transfer_id, request_id=rid, reason="cancelled")
+            abort = HandoffAbort(
+                transfer_id=offer.transfer_id, request_id=rid, origin=origin, reason="cancelled"
+            )
             await self.nc.publish(self.subjects.handoff_abort(decode_id), encode(abort))
             raise
         if result is not None and result.ok:
@@ -299,7 +303,9 @@ class PrefillWorker(Worker):
         why = result.reason if result is not None else "no answer to the commit"
         # The decode side may have started the request and only the answer was lost: tell it
         # to drop the transfer (and the request, if it started it) before anyone else runs it.
-        abort = HandoffAbort(transfer_id=offer.transfer_id, request_id=rid, reason=why)
+        abort = HandoffAbort(
+            transfer_id=offer.transfer_id, request_id=rid, origin=origin, reason=why
+        )
         await self.nc.publish(self.subjects.handoff_abort(decode_id), encode(abort))
         return why, commit
 

@@ -2,8 +2,10 @@
 
 Three things run side by side:
 
-- the request loop: fetch a batch from the durable consumer ``router`` (replicas share it, so
-  each request is routed once) → ``Router.handle`` each concurrently (bounded) → ack;
+- the request loops, one for the fleet's requests stream and one for each active team's
+  (``team_stream_config``): fetch a batch from the stream's durable consumer ``router``
+  (replicas share it, so each request is routed once) → ``Router.handle`` each concurrently
+  (bounded, across all streams) → ack;
 - subscriptions to every worker's beats and KV events, feeding the registry (each replica builds
   the same registry from the same subjects);
 - the sweep, every ``router.sweep_interval_s``: expire workers whose beats stopped, place their
@@ -21,10 +23,18 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from libs.log import fields
-from libs.nats_util import connect, ensure_consumer, provision, work_queue_consumer
+from libs.nats_util import (
+    connect,
+    ensure_consumer,
+    ensure_team_streams,
+    provision,
+    team_stream_name,
+    work_queue_consumer,
+)
 from libs.protocol import (
     CancelRequest,
     KvEvent,
@@ -34,6 +44,7 @@ from libs.protocol import (
     TeamsChanged,
     WorkerBeat,
     decode,
+    request_key,
 )
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext, run_service
@@ -58,6 +69,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     js = nc.jetstream()
     await provision(js, s.nats)
     ack_wait = s.router.assign_timeout_s * 4 + 5
+    # (Requests a team sent before its own stream existed are still read from here.)
     consumer = work_queue_consumer(
         ROUTER_DURABLE, [subjects.requests, subjects.team_requests_all], ack_wait
     )
@@ -66,6 +78,80 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     router = Router(nc, js, s, registry)
     if on_router is not None:
         on_router(router)
+    slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
+    inflight: set[asyncio.Task[None]] = set()
+    readers: dict[str, asyncio.Task[None]] = {}  # team → its stream's request loop
+
+    def spawn(coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.create_task(coro)
+        inflight.add(t)
+        t.add_done_callback(inflight.discard)
+
+    async def handle(msg: Msg) -> None:
+        try:
+            await router.handle(msg)
+        except Exception:
+            log.exception("routing failed")
+        finally:
+            slots.release()
+
+    async def read_requests(stream: str, psub: JetStreamContext.PullSubscription) -> None:
+        """Fetch ``stream``'s requests and route each, until the service stops."""
+        try:
+            while not ctx.stopping.is_set():
+                try:
+                    msgs = await psub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
+                except (FetchTimeoutError, NatsTimeout, TimeoutError):
+                    continue
+                except NotFoundError:
+                    raise  # the consumer is gone: fail, and a restart provisions it again
+                except NatsError as e:
+                    # A server shutting down answers a pending fetch with 503
+                    # (ServiceUnavailable); the connection reconnects and fetching works again.
+                    log.warning(
+                        "fetching requests failed; retrying",
+                        extra=fields(stream=stream, error=repr(e)),
+                    )
+                    await asyncio.sleep(FETCH_RETRY_S)
+                    continue
+                for m in msgs:
+                    await slots.acquire()
+                    spawn(handle(m))
+        finally:
+            # NOTE: a pull subscription's queue keeps the fetch status messages it never hands
+            # out, so draining it waits for drain_timeout; nothing is pending, drop it first.
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def team_streams() -> None:
+        # Each active team's requests stream and its loop (a team added by editing the
+        # teams file alone, as in Kubernetes, is picked up here within a sweep).
+        router.teams.reload()
+        for team, reader in list(readers.items()):
+            if reader.done():  # its consumer was deleted: provision it again
+                readers.pop(team)
+                if not reader.cancelled() and reader.exception() is not None:
+                    log.warning(
+                        "team's request loop ended",
+                        extra=fields(team=team, error=repr(reader.exception())),
+                    )
+        new = sorted(set(router.teams.limits) - set(readers))
+        if not new:
+            return
+        try:
+            await ensure_team_streams(js, s.nats, new)
+            for team in new:
+                stream = team_stream_name(s.nats, team)
+                only = [subjects.team_requests(team)]
+                await ensure_consumer(
+                    js, stream, work_queue_consumer(ROUTER_DURABLE, only, ack_wait)
+                )
+                psub = await js.pull_subscribe_bind(ROUTER_DURABLE, stream)
+                readers[team] = asyncio.create_task(read_requests(stream, psub))
+        except Exception as e:  # JetStream busy or reconnecting: the next sweep tries again
+            log.warning("team streams not ready", extra=fields(error=repr(e)))
+            return
+        log.info("reading teams' requests", extra=fields(teams=new))
 
     async def on_beat(msg: Msg) -> None:
         try:
@@ -85,7 +171,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         except ProtocolError as e:
             log.warning("bad stream owner", extra=fields(subject=msg.subject, error=str(e)))
             return
-        router.watch.owner(o.request_id, o.worker_id)
+        router.watch.owner(request_key(o.origin, o.request_id), o.worker_id)
 
     async def on_cancel(msg: Msg) -> None:
         # A client's cancel ends its stream without a last message: stop watching it (or a
@@ -96,11 +182,9 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             team, rid = subjects.addressed(msg.subject, "cancel", c.request_id)
         except (ProtocolError, ValueError):
             return  # the workers dead-letter it
-        w = router.watch.watched.get(rid)
-        if team is not None and (w is None or w.req.team != team):
-            return  # a team's cancel counts only for its own requests
+        # A team's cancel (cancel.<team>.<id>) counts only for that team's request of that id.
         if not c.worker_id:
-            await router.watch.forget(rid)
+            await router.watch.forget(request_key(team, rid))
 
     async def on_teams_changed(msg: Msg) -> None:
         # The workers cancel the revoked teams' running requests; the router refuses their
@@ -111,9 +195,10 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             log.warning("bad teams message", extra=fields(error=str(e)))
             return
         router.teams.revoke(tc.revoked)
-        for rid, w in list(router.watch.watched.items()):
+        for key, w in list(router.watch.watched.items()):
             if w.req.team in tc.revoked:
-                await router.watch.forget(rid)
+                await router.watch.forget(key)
+        await team_streams()
         log.info("teams changed", extra=fields(revoked=tc.revoked))
 
     await nc.subscribe(subjects.beats_all, cb=on_beat)
@@ -122,22 +207,8 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     await nc.subscribe(subjects.kv_events_all, cb=on_kv)
     await nc.subscribe(subjects.teams_changed, cb=on_teams_changed)
     psub = await js.pull_subscribe_bind(ROUTER_DURABLE, s.nats.requests_stream)
+    await team_streams()
     ctx.serving(lambda: nc.is_connected)
-    slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
-    inflight: set[asyncio.Task[None]] = set()
-
-    def spawn(coro: Coroutine[Any, Any, None]) -> None:
-        t = asyncio.create_task(coro)
-        inflight.add(t)
-        t.add_done_callback(inflight.discard)
-
-    async def handle(msg: Msg) -> None:
-        try:
-            await router.handle(msg)
-        except Exception:
-            log.exception("routing failed")
-        finally:
-            slots.release()
 
     async def replace(worker_id: str) -> None:
         try:
@@ -163,6 +234,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
                 spawn(replace(gone))
             await router.watch.sweep()
             await router.stalled_streams()
+            await team_streams()
             metrics.WATCHED.set(len(router.watch.watched))
             for pool in {p.name for p in s.pools} | registry.pools():
                 metrics.LIVE_WORKERS.labels(pool=pool).set(len(registry.live(pool)))
@@ -170,33 +242,17 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     sweeper = asyncio.create_task(sweep())
     log.info("router ready", extra=fields(pools=[p.name for p in s.pools]))
     try:
-        while not ctx.stopping.is_set():
-            try:
-                msgs = await psub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
-            except (FetchTimeoutError, NatsTimeout, TimeoutError):
-                continue
-            except NotFoundError:
-                raise  # the consumer is gone: fail, and a restart provisions it again
-            except NatsError as e:
-                # A server shutting down answers a pending fetch with 503 (ServiceUnavailable);
-                # the connection then reconnects and fetching works again.
-                log.warning("fetching requests failed; retrying", extra=fields(error=repr(e)))
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            for m in msgs:
-                await slots.acquire()
-                spawn(handle(m))
+        await read_requests(s.nats.requests_stream, psub)
     finally:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        for reader in readers.values():
+            reader.cancel()
+        await asyncio.gather(*readers.values(), return_exceptions=True)
         if inflight:
             await asyncio.wait(inflight, timeout=10)
         await router.watch.close()
-        # NOTE: a pull subscription's queue keeps the fetch status messages it never hands out,
-        # so draining it waits for drain_timeout; nothing is pending on it here, drop it first.
-        with contextlib.suppress(Exception):
-            await psub.unsubscribe()
         await nc.drain()
 
 

@@ -345,9 +345,7 @@ class Router:
                 if on_accepted is not None:
                     await on_accepted()
                 if watched:
-                    self.watch.assigned(
-                        req.request_id, route, attempt, bool(decision.decode_workers)
-                    )
+                    self.watch.assigned(req.key, route, attempt, bool(decision.decode_workers))
                 await self.record(req, route, decision.decide_s)
                 return route
             self.registry.on_refused(route.worker_id, reserved)
@@ -375,7 +373,7 @@ class Router:
             return
         for w in self.watch.stalled(self.cfg.stall_timeout_s):
             if not w.complete:  # its end was probably missed in a reconnect
-                await self.watch.forget(w.req.request_id)
+                await self.watch.forget(w.req.key)
                 continue
             if w.route is None or self.watch.streamed_unannounced(w):
                 continue
@@ -427,7 +425,7 @@ class Router:
             metrics.REPLACED.inc()
         # A worker that was only stalled must not resume a request it no longer owns.
         cancel = CancelRequest(request_id=rid, reason="moved", worker_id=worker_id)
-        await self.nc.publish(self.subjects.cancel(rid), encode(cancel))
+        await self.nc.publish(self.subjects.cancel_key(w.req.key), encode(cancel))
         log.info(
             "migrating request of a lost worker" if migration else "re-placing request",
             extra=fields(
@@ -490,7 +488,9 @@ class Router:
         metrics.DECISIONS.labels(pool=route.pool, reason=route.code).inc()
         metrics.DECISION_SECONDS.observe(decision_s)
         metrics.OVERLAP_BLOCKS.observe(route.overlap_blocks)
-        ev = RouteDecision(request_id=req.request_id, route=route, decision_s=decision_s)
+        ev = RouteDecision(
+            request_id=req.request_id, origin=req.origin, route=route, decision_s=decision_s
+        )
         try:
             await self.js.publish(self.subjects.event("route"), encode(ev), timeout=1.0)
         except Exception as e:  # the event stream is for observers; never block routing on it
@@ -498,7 +498,7 @@ class Router:
         log.info(
             "routed",
             extra=fields(
-                request_id=req.request_id,
+                request_id=req.key,
                 pool=route.pool,
                 worker_id=route.worker_id,
                 reason=route.code,
@@ -514,8 +514,8 @@ class Router:
         """End ``req``'s stream with a typed error (after whatever it already carried)."""
         metrics.REJECTED.labels(code=r.code).inc()
         log.info("rejected", extra=fields(request_id=req.request_id, code=r.code, error=r.message))
-        seq = self.watch.next_seq(req.request_id)
-        await self.watch.forget(req.request_id)
+        seq = self.watch.next_seq(req.key)
+        await self.watch.forget(req.key)
         err = ErrorMessage(
             seq=seq,
             request_id=req.request_id,

@@ -52,7 +52,7 @@ class TeamPolicy:
         self.cfg = settings.teams
         self.path: Path = settings.teams_file
         self.limiter = RateLimiter()
-        # request id → (team, tokens reserved by admit), until finished (oldest dropped first).
+        # request key → (team, tokens reserved by admit), until finished (oldest dropped first).
         self.reserved: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.limits: dict[str, tuple[int | None, int | None]] = {}
         self.revoked: set[str] = set()
@@ -100,10 +100,13 @@ class TeamPolicy:
         delivered it as, its stream goes to that team's export, and no API key id."""
         team = self.sender(subject)
         if team is None:
-            return req  # the fleet's own subject: the gateway or a trusted internal client
+            # The fleet's own subject: the gateway or a trusted internal client; its ids are
+            # the fleet's (no origin, whatever the payload says).
+            return req if req.origin is None else msgspec.structs.replace(req, origin=None)
         return msgspec.structs.replace(
             req,
             team=team,
+            origin=team,
             api_key_id=None,
             reply_subject=self.subjects.team_stream(team, req.request_id),
         )
@@ -132,7 +135,7 @@ class TeamPolicy:
         if isinstance(got, Refusal):
             msg = f"rate limit reached for team {req.team!r}: {got.message}"
             return TeamRefusal("rate_limited", msg, got.retry_after_s)
-        self.reserved[req.request_id] = (req.team, got)
+        self.reserved[req.key] = (req.team, got)
         while len(self.reserved) > MAX_RESERVATIONS:
             self.reserved.popitem(last=False)
         return got
@@ -140,7 +143,7 @@ class TeamPolicy:
     def finished(self, req: GenerateRequest, final: Finished | None) -> None:
         """``req``'s stream ended: its reservation becomes its usage (kept whole when it ended
         without ``Finished``)."""
-        held = self.reserved.pop(req.request_id, None)
+        held = self.reserved.pop(req.key, None)
         if held is not None and final is not None:
             used = final.usage.prompt_tokens + final.usage.completion_tokens
             self.limiter.settle(held[0], held[1], used)

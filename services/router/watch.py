@@ -124,8 +124,9 @@ class StreamWatch:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def watch(self, req: GenerateRequest) -> bool:
-        """Start watching ``req`` (before its first offer); False when at the bound."""
-        rid = req.request_id
+        """Start watching ``req`` (before its first offer); False when at the bound. Requests
+        are keyed by ``GenerateRequest.key`` (two teams may use the same id)."""
+        rid = req.key
         if rid in self.watched:
             return True
         if len(self.watched) >= self.max_watched:
@@ -146,7 +147,7 @@ class StreamWatch:
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
 
-        subject = req.reply_subject or self.subjects.stream(rid)
+        subject = req.reply_subject or self.subjects.stream(req.request_id)
         sub = await self.nc.subscribe(subject, cb=on_msg)
         self.watched[rid] = Watched(req=req, sub=sub, seen=time.monotonic())
         return True
