@@ -1,4 +1,5 @@
-"""The ledger writer: JetStream usage events -> one ``requests`` row per request id.
+"""The ledger writer: JetStream usage events -> one ``requests`` row per request, keyed by
+(``request_id``, ``origin``): a team account's ids are its own (``GenerateRequest.origin``).
 
 Loop: fetch a batch from the durable pull consumer ``ledger`` on the events stream (filtered to
 ``Subjects.event("usage")`` and ``Subjects.worker_usage``) → decode (garbage is terminated, never retried) → upsert the batch
@@ -46,6 +47,7 @@ def _ts(unix: float) -> datetime:
 def row_values(ev: UsageEvent) -> dict[str, Any]:
     return {
         "request_id": ev.request_id,
+        "origin": ev.origin or "",
         "api_key_id": ev.api_key_id,
         "team": ev.team,
         "pool": ev.pool,
@@ -86,21 +88,24 @@ async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
     from the same side, or by the client side's."""
     if not events:
         return
-    # One statement may not touch a row twice (PostgreSQL): one event per id.
-    chosen: dict[str, UsageEvent] = {}
+    # One statement may not touch a row twice (PostgreSQL): one event per request.
+    chosen: dict[tuple[str, str], UsageEvent] = {}
     for ev in events:
-        if ev.request_id not in chosen or _replaces(ev, chosen[ev.request_id]):
-            chosen[ev.request_id] = ev
+        key = (ev.request_id, ev.origin or "")
+        if key not in chosen or _replaces(ev, chosen[key]):
+            chosen[key] = ev
     rows = [row_values(ev) for ev in chosen.values()]
     insert = pg_insert if db.dialect == "postgresql" else sqlite_insert
     stmt = insert(RequestRow).values(rows)
     new, old = stmt.excluded, RequestRow.__table__.c
     new_is_worker = new.source == WORKER_SOURCE
     old_is_worker = old.source == WORKER_SOURCE
-    set_: dict[str, Any] = {k: stmt.excluded[k] for k in rows[0] if k != "request_id"}
+    set_: dict[str, Any] = {
+        k: stmt.excluded[k] for k in rows[0] if k not in ("request_id", "origin")
+    }
     set_["team"] = func.coalesce(new.team, old.team)  # a client side's row keeps the fleet's team
     stmt = stmt.on_conflict_do_update(
-        index_elements=[RequestRow.request_id],
+        index_elements=[RequestRow.request_id, RequestRow.origin],
         set_=set_,
         where=or_(
             and_(old_is_worker, ~new_is_worker),
@@ -110,7 +115,7 @@ async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
     # The team is the fleet's word (the router stamps it, the worker reports it): it fills a
     # row whose kept event (a client library's) did not name one.
     teams = [
-        {"rid": ev.request_id, "t": ev.team}
+        {"rid": ev.request_id, "o": ev.origin or "", "t": ev.team}
         for ev in events
         if ev.source == WORKER_SOURCE and ev.team is not None
     ]
@@ -119,7 +124,11 @@ async def upsert_usage(db: Database, events: list[UsageEvent]) -> None:
         if teams:
             await conn.execute(
                 update(RequestRow)
-                .where(RequestRow.request_id == bindparam("rid"), RequestRow.team.is_(None))
+                .where(
+                    RequestRow.request_id == bindparam("rid"),
+                    RequestRow.origin == bindparam("o"),
+                    RequestRow.team.is_(None),
+                )
                 .values(team=bindparam("t")),
                 teams,
             )

@@ -1,5 +1,5 @@
 """Tables: ``api_keys`` (hashed secrets and limits) and ``requests`` (the ledger, one row per
-request id). Changing them needs a new revision in ``migrations/versions``."""
+request: origin and id). Changing them needs a new revision in ``migrations/versions``."""
 
 from __future__ import annotations
 
@@ -29,9 +29,14 @@ class ApiKey(Base):
 
 
 class RequestRow(Base):
+    """One row a request: (``request_id``, ``origin``) is its key, as in the fleet."""
+
     __tablename__ = "requests"
 
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # The team account the request came in through (GenerateRequest.origin); '' for the
+    # fleet's own (the gateway, internal clients). Two teams may use the same request id.
+    origin: Mapped[str] = mapped_column(String(32), primary_key=True, server_default="")
     api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # Who sent it, as the fleet knows it: the NATS account's team, or the API key's team.
     team: Mapped[str | None] = mapped_column(String(32), nullable=True)
