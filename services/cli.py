@@ -149,8 +149,17 @@ def _teams(settings: Settings, args: argparse.Namespace) -> int:
     except TeamError as e:
         print(str(e), file=sys.stderr)
         return 1
-    sf.write_config()
-    reloaded = sf.reload_server(nats_server_binary())
+    if args.action == "add" and sf.pid_file.exists():
+        # Its requests stream first, so that its first request lands once it can log in.
+        try:
+            asyncio.run(asyncio.wait_for(sf.ensure_streams([team.name]), ANNOUNCE_TIMEOUT_S))
+        except Exception as e:  # the routers add it within router.sweep_interval_s
+            print(f"could not add the team's requests stream at once ({e!r}); routers will")
+    try:
+        reloaded = sf.apply(nats_server_binary())
+    except RuntimeError as e:
+        print(f"the running server did not confirm the change: {e}", file=sys.stderr)
+        return 1
     if reloaded:
         try:
             asyncio.run(asyncio.wait_for(sf.announce(revoked), ANNOUNCE_TIMEOUT_S))

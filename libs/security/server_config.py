@@ -16,6 +16,12 @@ So a team publishes a request on ``<p>.requests``, the fleet receives it on
 ``<p>.requests.<team>`` (the server wrote the team, not the sender), and the router sends the
 tokens to ``<p>.stream.<team>.<id>``, which only that team imports. A revoked team is left out;
 reloading the server closes its connections at once.
+
+A *staged* team's account is written with its imports and no user (nobody can log in to it).
+nats-server (2.15.1 and before) does not subscribe the service imports of an account that a
+config reload creates (``configureAccounts`` skips them while reloading; a later reload, which
+finds the account existing, does). So ``SecureFleet.apply`` introduces a new team's account
+staged first, and lets its user in with the next reload (decision 0020).
 """
 
 from __future__ import annotations
@@ -76,8 +82,12 @@ def render(
     store_dir: str | Path,
     tls: TlsFiles | None = None,
     pid_file: str | Path | None = None,
+    monitor: str = "",
+    staged: frozenset[str] = frozenset(),
 ) -> str:
-    """nats-server's configuration text for the fleet and its active ``teams``."""
+    """nats-server's configuration text for the fleet and its active ``teams``; the accounts
+    of ``staged`` teams have no user yet. ``monitor``: host:port of the server's monitoring
+    endpoint (``SecureFleet.apply`` reads it), none when empty."""
     active = [t for t in teams if t.active]
     lines = [
         f"listen: {_q(listen)}",
@@ -86,6 +96,8 @@ def render(
     ]
     if pid_file is not None:
         lines.append(f"pid_file: {_q(pid_file)}")
+    if monitor:
+        lines.append(f"http: {_q(monitor)}")
     if tls is not None:
         lines += [
             "tls {",
@@ -114,12 +126,19 @@ def render(
             )
         pub = ", ".join(_q(x) for x in g.publish)
         sub = ", ".join(_q(x) for x in g.subscribe)
+        users = (
+            ["    users: []"]
+            if t.name in staged
+            else [
+                f"    users: [{{nkey: {_q(t.public_key)}, permissions: {{",
+                f"      publish: {{allow: [{pub}]}}",
+                f"      subscribe: {{allow: [{sub}]}}",
+                "    }}]",
+            ]
+        )
         accounts += [
             f"  {_q(acc)}: {{",
-            f"    users: [{{nkey: {_q(t.public_key)}, permissions: {{",
-            f"      publish: {{allow: [{pub}]}}",
-            f"      subscribe: {{allow: [{sub}]}}",
-            "    }}]",
+            *users,
             "    imports: [",
             *imports,
             "    ]",

@@ -26,6 +26,7 @@ async def secure_nats(
         missing("nats-server")
     assert binary is not None
     settings.nats.url = f"tls://127.0.0.1:{free_port()}"
+    settings.nats.monitor_port = free_port()
     sf = SecureFleet(settings)
     for name, rpm in teams.items():
         sf.store.add(name, rpm=rpm)
