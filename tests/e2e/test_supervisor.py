@@ -114,7 +114,8 @@ def test_up_runs_the_fleet_and_ctrl_c_stops_it(tmp_path: Path) -> None:
 
 def test_up_secure_serves_teams_over_tls_and_revokes_them(tmp_path: Path) -> None:
     """`strait teams add`, then `strait up --secure`: a team's client is served over TLS with
-    its nkey, a plain connection is refused, and `strait teams revoke` cuts the team off."""
+    its nkey, a plain connection is refused, teams added to the running fleet one after the
+    other are each served on their first request, and `strait teams revoke` cuts a team off."""
     import asyncio
     import ssl
 
@@ -128,6 +129,7 @@ def test_up_secure_serves_teams_over_tls_and_revokes_them(tmp_path: Path) -> Non
     env.update(
         STRAIT_CONFIG=str(tmp_path / "strait.toml"),
         NATS_URL=f"tls://127.0.0.1:{nats_port}",
+        STRAIT_NATS__MONITOR_PORT=str(free_port()),
         STRAIT_STATE_DIR=str(tmp_path / "state"),
         STRAIT_GATEWAY__PORT=str(gw_port),
         PYTHONUNBUFFERED="1",
@@ -153,11 +155,22 @@ def test_up_secure_serves_teams_over_tls_and_revokes_them(tmp_path: Path) -> Non
         assert "started a secured nats-server" in log.read_text()
         url = f"tls://127.0.0.1:{nats_port}"
 
-        async def as_alpha() -> str:
-            async with StraitClient(url, nkey_seed_file=str(seed), tls_ca_file=str(ca)) as c:
+        async def as_team(team: str) -> str:
+            nk = str(secure / "teams" / f"{team}.nk")
+            # The first request, published once: a team is served as soon as `add` returns.
+            async with StraitClient(
+                url, nkey_seed_file=nk, tls_ca_file=str(ca), publish_attempts=1
+            ) as c:
                 return (await c.complete("hi", model="default", max_tokens=3)).text
 
-        assert asyncio.run(as_alpha())
+        assert asyncio.run(as_team("alpha"))
+        # Teams added to the running fleet, one after the other: the newest is served at once
+        # (nats-server leaves a reload-created account's imports unsubscribed; decision 0020).
+        for team in ("beta", "gamma", "delta"):
+            more = subprocess.run([*cli, "teams", "add", team], env=env, capture_output=True)
+            assert more.returncode == 0, more.stderr
+            assert asyncio.run(as_team(team)), team
+        assert asyncio.run(as_team("beta"))
 
         async def plain() -> None:
             await nats.connect(

@@ -6,6 +6,7 @@ the ledger writer on SQLite, and teams ``alpha``, ``beta`` (2 requests a minute)
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from libs.nats_util import connect
 from libs.security.fleet import SecureFleet
 from libs.settings import Settings
 from tests.integration.client.fleet_util import running_fleet
+from tests.integration.gateway.conftest import _pg_schema as pg_schema
 from tests.support.fleet import InProcessFleet
 from tests.support.secure import secure_nats
 from tests.support.services import isolated_settings
@@ -54,12 +56,38 @@ def secure_settings(tmp_path: Path) -> Iterator[Settings]:
     s.fake_engine.per_token_s = 0.002
     s.worker.beat_interval_s = 0.1
     s.teams.reload_interval_s = 0.1
+    s.nats.request_dedupe_window_s = 1.0  # short enough to test past it
     yield s
 
 
 @pytest.fixture
 async def secured(secure_settings: Settings) -> AsyncIterator[SecuredFleet]:
-    s = secure_settings
+    async with _secured(secure_settings) as f:
+        yield f
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def secured_db(
+    request: pytest.FixtureRequest, secure_settings: Settings
+) -> AsyncIterator[SecuredFleet]:
+    """``secured`` with its ledger on SQLite, then on PostgreSQL (a schema of its own)."""
+    if request.param == "postgres":
+        url = request.getfixturevalue("postgres_url")
+        schema, drop = await pg_schema(url)
+        secure_settings.database.url = url
+        secure_settings.database.pg_schema = schema
+        try:
+            async with _secured(secure_settings) as f:
+                yield f
+        finally:
+            await drop()
+        return
+    async with _secured(secure_settings) as f:
+        yield f
+
+
+@asynccontextmanager
+async def _secured(s: Settings) -> AsyncIterator[SecuredFleet]:
     async with secure_nats(s, {"alpha": None, "beta": 2, "gamma": None}) as sf:
         db = Database(s)
         await db.migrate()
