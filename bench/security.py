@@ -7,9 +7,12 @@ In this process: a router and one FAKE worker (``per_token_s`` 0: no model) firs
 JetStream nats-server, then on a secured one (accounts from ``strait teams``, TLS from the dev
 CA; tests/support/secure.py); a ``StraitClient`` sends ``--requests`` requests of 16 tokens one
 after another (10 warm-up first) and prints their latency p50 / p99 — as the fleet (embedded) and
-as a team (secured). Then, with one 400-token request of the team streaming (50 ms a token), it
-does what ``strait teams revoke`` does and prints how long the config rewrite and server reload
-took, when the worker had dropped the request, and when the team's connection was closed.
+as a team (secured). Then it does what ``strait teams add`` does for a new team on the running
+server (its requests stream, the staged and the full reload, each confirmed) and prints how long
+that took and the new team's first request. Last, with one 400-token request of the team
+streaming (50 ms a token), it does what ``strait teams revoke`` does and prints how long the
+config rewrite and server reload took, when the worker had dropped the request, and when the
+team's connection was closed.
 """
 
 from __future__ import annotations
@@ -78,11 +81,33 @@ async def run(n: int) -> None:
             nkey_seed_file=str(sf.store.seed_file("bench")),
             tls_ca_file=n_.tls_ca_file,
         )
+        binary = nats_binary()
+        assert binary is not None
         async with team as c:
             p50, p99 = await latency_ms(c, n)
             print(
                 f"secured, as a team (TLS): {TOKENS}-token request p50 {p50:.2f} ms  "
                 f"p99 {p99:.2f} ms"
+            )
+            t0 = time.perf_counter()
+            sf.store.add("late")
+            await sf.ensure_streams(["late"])
+            await asyncio.to_thread(sf.apply, binary)
+            await sf.announce([])
+            added = time.perf_counter()
+            late = StraitClient(
+                n_.url,
+                prefix=n_.subject_prefix,
+                nkey_seed_file=str(sf.store.seed_file("late")),
+                tls_ca_file=n_.tls_ca_file,
+                publish_attempts=1,
+            )
+            async with late:
+                await late.complete("first", max_tokens=TOKENS)
+            print(
+                f"add a team to the running server: stream + staged and full reload "
+                f"{1000 * (added - t0):.0f} ms; its first request (connect included) done "
+                f"{1000 * (time.perf_counter() - added):.0f} ms later"
             )
             worker = fleet.workers[0]
             worker.backend.settings.per_token_s = REVOKE_PER_TOKEN_S  # type: ignore[attr-defined]
@@ -91,10 +116,7 @@ async def run(n: int) -> None:
                 await anext(aiter(gen))
                 t0 = time.perf_counter()
                 sf.store.revoke("bench")
-                sf.write_config()
-                binary = nats_binary()
-                assert binary is not None
-                sf.reload_server(binary)
+                await asyncio.to_thread(sf.apply, binary)
                 reloaded = time.perf_counter()
                 await sf.announce(["bench"])
                 await until(lambda: not worker.worker.tasks)

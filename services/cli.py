@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("name")
     _limit_arguments(ta, "teams")
     teams.add_parser("list", help="list teams (never their seeds)")
+    tc = teams.add_parser(
+        "config",
+        help="print the nats-server config for the teams file (to load into servers that "
+        "`strait up --secure` did not start: stage new teams first, docs/security.md)",
+    )
+    tc.add_argument(
+        "--staged", nargs="*", default=[], metavar="NAME", help="these teams' accounts, no user"
+    )
     tr = teams.add_parser(
         "revoke", help="revoke a team: its connections close and its requests are cancelled"
     )
@@ -139,6 +147,9 @@ def _teams(settings: Settings, args: argparse.Namespace) -> int:
         if args.action == "list":
             for t in sf.store.load().teams:
                 print(json.dumps(msgspec.to_builtins(t)))
+            return 0
+        if args.action == "config":
+            print(sf.config_text(frozenset(args.staged)), end="")
             return 0
         if args.action == "add":
             team = sf.store.add(args.name, args.rpm, args.tpm)

@@ -114,11 +114,12 @@ SUBJECTS: dict[str, SubjectDoc] = {
         True,
     ),
     "cancel_key": SubjectDoc(
-        ("<team>.<request_id> | <request_id>",),
+        ("<key>",),
         "CancelRequest",
         "core NATS",
-        "router (a request it moves: `cancel.<GenerateRequest.key>`)",
-        "workers (`cancel_all`): a team's request of that id, or the fleet's",
+        "router, for a request it moves (`<key>`: `GenerateRequest.key`, `<team>.<request_id>` "
+        "for a team's request, else `<request_id>`)",
+        "workers (`cancel_all`): that team's request of that id, or the fleet's",
         False,
     ),
     "cancel_all": SubjectDoc((), "CancelRequest", "core NATS", "—", "workers", False),
@@ -134,13 +135,20 @@ SUBJECTS: dict[str, SubjectDoc] = {
     "team_requests": SubjectDoc(
         ("<team>",),
         "GenerateRequest",
-        "JetStream (stream `{requests_stream}`)",
+        "JetStream (stream `{requests_stream}_<team>`, the team's own: its `Nats-Msg-Id`s "
+        "are de-duplicated apart from every other team's)",
         "a team's clients, publishing `requests` in their own account (docs/security.md)",
-        "router (durable `router`)",
+        "router (durable `router` on each team's stream)",
         False,
     ),
     "team_requests_all": SubjectDoc(
-        (), "GenerateRequest", "JetStream", "—", "the requests stream's subject filter", False
+        (),
+        "GenerateRequest",
+        "core NATS view of every team's requests",
+        "—",
+        "planner (demand); the router's filter on the fleet's requests stream (requests stored there "
+        "before teams had streams of their own)",
+        False,
     ),
     "team_stream": SubjectDoc(
         ("<team>", "<request_id>"),

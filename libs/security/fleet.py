@@ -61,10 +61,18 @@ class SecureFleet:
 
     def write_config(self, staged: frozenset[str] = frozenset()) -> Path:
         """The server's config for the teams file; ``staged`` teams' accounts without a user."""
+        text = self.config_text(staged)
+        tmp = self.conf.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.conf)
+        return self.conf
+
+    def config_text(self, staged: frozenset[str] = frozenset()) -> str:
+        """``write_config``'s text (``strait teams config`` prints it for other servers)."""
         tf = self.store.ensure_fleet()
         store = self.dir / "nats"
         store.mkdir(parents=True, exist_ok=True)
-        text = render(
+        return render(
             prefix=self.settings.nats.subject_prefix,
             fleet_public_key=tf.fleet_public_key,
             teams=tf.teams,
@@ -76,10 +84,6 @@ class SecureFleet:
             monitor=f"{self.host}:{self.monitor_port}" if self.monitor_port else "",
             staged=staged,
         )
-        tmp = self.conf.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self.conf)
-        return self.conf
 
     def prepare(self) -> NatsSettings:
         """Keys, certificates and config in place; the fleet processes' NATS settings."""

@@ -103,6 +103,29 @@ def test_the_server_config_grants_each_active_team_exactly_its_four_subjects(
         assert r.returncode == 0, r.stderr
 
 
+def test_a_staged_team_has_its_account_and_imports_but_no_user(tmp_path: Path) -> None:
+    store = TeamStore(tmp_path)
+    alpha, beta = store.add("alpha"), store.add("beta")
+    tf = store.load()
+    kw = {
+        "prefix": "p.v1",
+        "fleet_public_key": tf.fleet_public_key,
+        "teams": tf.teams,
+        "listen": "127.0.0.1:4333",
+        "max_payload": 1024,
+        "store_dir": tmp_path / "js",
+        "monitor": "127.0.0.1:8333",
+    }
+    staged = render(**kw, staged=frozenset({"beta"}))  # type: ignore[arg-type]
+    full = render(**kw)  # type: ignore[arg-type]
+    assert beta.public_key not in staged and beta.public_key in full
+    assert alpha.public_key in staged
+    assert '"TEAM_beta": {\n    users: []' in staged  # the account, nobody in it
+    for remote, _ in grants("p.v1", "beta").services:  # with every import already
+        assert staged.count(f'"{remote}"') == full.count(f'"{remote}"') == 2
+    assert 'http: "127.0.0.1:8333"' in staged
+
+
 def test_the_dev_ca_signs_a_server_certificate_that_verifies_and_is_reused(
     tmp_path: Path,
 ) -> None:
@@ -132,8 +155,11 @@ def test_the_router_believes_the_subject_not_the_sender(tmp_path: Path) -> None:
     forged = _req(team="beta", api_key_id="beta-key", reply_subject="p.v1.stream.beta.r1")
     got = policy.attribute(forged, "p.v1.requests.alpha")
     assert (got.team, got.api_key_id, got.reply_subject) == ("alpha", None, "p.v1.stream.alpha.r1")
-    # The fleet's own subject (gateway, trusted clients): left as written.
+    assert got.origin == "alpha" and got.key == "alpha.r1"  # its ids are alpha's own
+    # The fleet's own subject (gateway, trusted clients): left as written, but never an origin.
     assert policy.attribute(forged, "p.v1.requests") is forged
+    claimed = policy.attribute(_req(origin="alpha"), "p.v1.requests")
+    assert claimed.origin is None and claimed.key == "r1"
 
 
 def test_team_limits_and_revocation_come_from_the_teams_file(tmp_path: Path) -> None:
