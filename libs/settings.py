@@ -280,6 +280,25 @@ class HandoffSettings(BaseModel):
     max_offers: int = 3
 
 
+class StructuredSettings(BaseModel):
+    """How a request's JSON schema and regex are read by the grammar engine (libs/json_schema.py,
+    docs/structured-outputs.md): as OpenAI, vLLM and llama.cpp users expect, so an answer ends."""
+
+    # An object schema listing `properties` with no `additionalProperties` admits no others
+    # (OpenAI's and vLLM's reading); false: JSON Schema's default, any other property.
+    closed_objects: bool = True
+    # Digits of an integer or number whose schema sets no maximum/minimum (llama.cpp: 16);
+    # at most 18, an int64.
+    max_integer_digits: int = Field(default=16, ge=1, le=18)
+    # Fraction digits of a number whose schema sets no multipleOf (at most 10: the smallest
+    # multipleOf the grammar engine takes is 1e-10).
+    max_fraction_digits: int = Field(default=10, ge=1, le=10)
+    # Regex classes read as ASCII in `structured_outputs.regex` and schema `pattern`s: "d" \d
+    # = [0-9], "w" \w = [0-9a-zA-Z_], "s" \s = [ \t\n\r\f\v] (vLLM's xgrammar, llama.cpp);
+    # "" leaves the grammar engine's Unicode classes.
+    ascii_classes: str = Field(default="dws", pattern="^d?w?s?$")
+
+
 class EngineSettings(BaseModel):
     device: str = "cpu"
     # Activations and unquantised weights. "auto": bfloat16 on a CUDA device, float32 elsewhere
@@ -300,6 +319,8 @@ class EngineSettings(BaseModel):
     # loop, the gateway, NATS): a parallel region stalls whenever another process takes one of
     # its threads' cores (docs/decisions/0011-worker-threads.md); n > 0: n.
     num_threads: int = Field(default=0, ge=-1)
+    # Structured outputs: how schemas and regexes are read (StructuredSettings).
+    structured: StructuredSettings = Field(default_factory=StructuredSettings)
 
     def threads(self) -> int:
         """The thread count ``num_threads`` resolves to on this machine."""

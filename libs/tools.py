@@ -25,7 +25,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from libs.json_schema import for_grammar
 from libs.protocol import GenerateRequest, ToolCall, ToolChoice, ToolFunction
+from libs.settings import StructuredSettings
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -34,9 +36,12 @@ CALL_CLOSE = "</tool_call>"
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
-def with_layout(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with :data:`JSON_LAYOUT` (the schema's own ``x-guidance`` keys win)."""
-    return {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+def with_layout(schema: dict[str, Any], rules: StructuredSettings) -> dict[str, Any]:
+    """``schema`` as the grammar engine is given it: read by ``rules``
+    (:func:`libs.json_schema.for_grammar`: closed objects, bounded numbers, ASCII classes),
+    with :data:`JSON_LAYOUT` (the schema's own ``x-guidance`` keys win)."""
+    out = for_grammar(schema, rules)
+    return {**out, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,16 +89,19 @@ def call_schema(tools: list[ToolFunction]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def forced_calls_lark(spec: ToolSpec, or_json: dict[str, Any] | None = None) -> str:
+def forced_calls_lark(
+    spec: ToolSpec, rules: StructuredSettings, or_json: dict[str, Any] | None = None
+) -> str:
     """A Lark grammar (llguidance's dialect, ``%json`` for embedded schemas) whose sentences are
     one call, or one or more with parallel calls allowed (never with a named function); with
-    ``or_json`` (a JSON schema), a JSON answer under it is a sentence too."""
-    schema = json.dumps(with_layout(call_schema(spec.callable())), separators=(",", ":"))
+    ``or_json`` (a JSON schema), a JSON answer under it is a sentence too. Schemas are read by
+    ``rules`` (:func:`with_layout`)."""
+    schema = json.dumps(with_layout(call_schema(spec.callable()), rules), separators=(",", ":"))
     repeat = "+" if spec.parallel and spec.name is None else ""
     open_, close = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
     start = f"call{repeat}"
     if or_json is not None:
-        start = f"%json {json.dumps(with_layout(or_json))} | {start}"
+        start = f"%json {json.dumps(with_layout(or_json, rules))} | {start}"
     return f"start: {start}\ncall: {open_} %json {schema} {close}\n"
 
 

@@ -106,7 +106,9 @@ class LLMEngine:
         self.grammars: Grammars | None = None
         if tokenizer is not None:
             vocab = self.runner.shape.vocab_size
-            self.grammars = Grammars(tokenizer, vocab, sorted(self.eos_token_ids))
+            self.grammars = Grammars(
+                tokenizer, vocab, sorted(self.eos_token_ids), settings.structured
+            )
         self.requests: dict[str, _Request] = {}
         # Speculative decoding (engine.speculative; None: off).
         self.speculator = make_speculator(

@@ -31,27 +31,36 @@ import torch
 
 from libs.backend import BackendError
 from libs.engine import metrics
+from libs.json_schema import ascii_regex
 from libs.protocol import StructuredOutput
+from libs.settings import StructuredSettings
 from libs.tools import ToolSpec, forced_calls_lark, with_layout
 
 # Compiled (validated) grammars kept per worker, by grammar text.
 GRAMMAR_CACHE_ENTRIES = 256
 
 
-def grammar_text(structured: StructuredOutput | None, tools: ToolSpec | None) -> str | None:
-    """llguidance grammar text of a request's constraint; None when it has none.
+def grammar_text(
+    structured: StructuredOutput | None,
+    tools: ToolSpec | None,
+    rules: StructuredSettings | None = None,
+) -> str | None:
+    """llguidance grammar text of a request's constraint; None when it has none. Schemas and
+    regexes are read by ``rules`` (``engine.structured``: closed objects, bounded numbers,
+    ASCII classes; :mod:`libs.json_schema`).
 
     Raises ``BackendError(invalid_request)`` for a grammar llguidance cannot read (e.g. GBNF
     that does not parse). A forced tool call and a JSON schema together: either calls or JSON.
     """
     import llguidance
 
+    rules = rules or StructuredSettings()
     forced = tools is not None and tools.forced
     if structured is None or not structured.kind:
         if not forced:
             return None
         assert tools is not None
-        return llguidance.grammar_from("lark", forced_calls_lark(tools))
+        return llguidance.grammar_from("lark", forced_calls_lark(tools, rules))
     kind = structured.kind
     param = f"structured_outputs.{kind}"
     try:
@@ -59,8 +68,11 @@ def grammar_text(structured: StructuredOutput | None, tools: ToolSpec | None) ->
             assert structured.json is not None
             if forced:
                 assert tools is not None
-                return llguidance.grammar_from("lark", forced_calls_lark(tools, structured.json))
-            return llguidance.grammar_from("json_schema", json.dumps(with_layout(structured.json)))
+                return llguidance.grammar_from(
+                    "lark", forced_calls_lark(tools, rules, structured.json)
+                )
+            schema = with_layout(structured.json, rules)
+            return llguidance.grammar_from("json_schema", json.dumps(schema))
         if forced:
             assert tools is not None
             raise BackendError(
@@ -69,7 +81,11 @@ def grammar_text(structured: StructuredOutput | None, tools: ToolSpec | None) ->
                 "tool_choice",
             )
         if kind == "regex":
-            return llguidance.grammar_from("regex", structured.regex or "")
+            regex = structured.regex or ""
+            if not rules.ascii_classes:
+                return llguidance.grammar_from("regex", regex)
+            # A Lark terminal: the only way to hand llguidance a regex with ASCII classes.
+            return llguidance.grammar_from("lark", f"start: /{ascii_regex(regex, rules)}/")
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(structured.choice))
         return llguidance.grammar_from("grammar", structured.grammar or "")
@@ -82,8 +98,15 @@ class Grammars:
     validated grammars. Thread-safe: ``compile`` runs on worker threads, ``matcher`` on the
     engine thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        rules: StructuredSettings | None = None,
+    ) -> None:
         self._hf = tokenizer
+        self.rules = rules or StructuredSettings()
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lock = threading.Lock()
@@ -104,7 +127,7 @@ class Grammars:
     def compile(self, structured: StructuredOutput | None, tools: ToolSpec | None) -> str | None:
         """Validated grammar text for a request, or None. Raises BackendError(invalid_request)."""
         started = time.perf_counter()
-        text = grammar_text(structured, tools)
+        text = grammar_text(structured, tools, self.rules)
         if text is None:
             return None
         with self._lock:
