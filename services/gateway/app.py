@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door (FastAPI).
 
 ``create_app(settings)`` is called by ``services.gateway.main`` (uvicorn) and by tests. Routes:
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/ready``,
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (and ``/v1/models/{id}``),
+``/health``, ``/ready``,
 ``/metrics``. A completion passes, in order: API key (``deps.require_key``) → per-key rate
 limits (``limits.py``) → response cache (``cache.py``) → backpressure (in-flight bound, pool
 queue depth) → one ``GenerateRequest`` on NATS (``completions.py``). The lifespan connects to
@@ -140,10 +141,9 @@ def create_app(
             await require_key(request)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request, fleet: FleetDep) -> dict[str, Any]:
-        if not g.open_models:
-            await require_key(request)
+    def model_cards() -> list[dict[str, Any]]:
+        """Every pool name and pool model, plus ``auto``, as OpenAI's model objects."""
+        fleet: Fleet = app.state.fleet
         fleet.registry.expire()
         live = fleet.registry.pools()
         data = []
@@ -168,7 +168,27 @@ def create_app(
         data.append(
             {"id": "auto", "object": "model", "created": now, "owned_by": "strait", "root": "auto"}
         )
-        return {"object": "list", "data": data}
+        return data
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        if not g.open_models:
+            await require_key(request)
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        if not g.open_models:
+            await require_key(request)
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise ApiError(
+            404,
+            f"The model '{model_id}' does not exist or you do not have access to it.",
+            "model_not_found",
+            "model",
+        )
 
     def admit_capacity(model: str) -> None:
         fleet: Fleet = app.state.fleet

@@ -77,6 +77,44 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
+# OpenAI's endpoints Strait does not serve, by their first path segment under /v1.
+OPENAI_ENDPOINTS_NOT_SERVED = {
+    "assistants": "Assistants",
+    "audio": "Audio",
+    "batches": "Batch",
+    "chatkit": "ChatKit",
+    "containers": "Containers",
+    "conversations": "Conversations",
+    "embeddings": "Embeddings",
+    "evals": "Evals",
+    "files": "Files",
+    "fine_tuning": "Fine-tuning",
+    "images": "Images",
+    "moderations": "Moderations",
+    "organization": "Administration",
+    "realtime": "Realtime",
+    "threads": "Assistants (threads)",
+    "uploads": "Uploads",
+    "vector_stores": "Vector stores",
+    "videos": "Videos",
+}
+
+
+def not_served(method: str, path: str) -> ApiError:
+    """A 404 for a ``/v1/...`` path no route serves: an OpenAI endpoint Strait does not serve
+    says so by name; any other path gets OpenAI's own ``Invalid URL`` answer."""
+    segment = path.removeprefix("/v1/").split("/", 1)[0]
+    name = OPENAI_ENDPOINTS_NOT_SERVED.get(segment)
+    if name is None:
+        return ApiError(404, f"Invalid URL ({method} {path})", "unknown_url")
+    return ApiError(
+        404,
+        f"Strait does not serve OpenAI's {name} API ({method} {path}); it serves "
+        "/v1/chat/completions, /v1/completions, /v1/responses and /v1/models",
+        "endpoint_not_served",
+    )
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
     return ".".join(parts) or None
@@ -105,8 +143,10 @@ def install_handlers(app: FastAPI) -> None:
         msg = f"{param}: {text}" if param else text
         return ApiError(400, msg, "invalid_request", param).response()
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+            return not_served(request.method, request.url.path).response()
         return ApiError(exc.status_code, str(exc.detail), None).response()
 
     async def unhandled(_: Request, exc: Exception) -> JSONResponse:
