@@ -6,6 +6,12 @@ live, and ``expire()`` drops it (with its blocks). Every router replica builds t
 the same subjects, so replicas agree without talking; the only per-replica state is ``pending``
 (assignments this replica made that the worker's beats may not show yet).
 
+A worker that stops beating without having said it drains (a crash, a kill) is remembered as
+*lost* for ``return_wait_s``: a supervisor, the planner or Kubernetes is bringing it back, so
+``returning_until`` tells the router how long a request for its pool may wait for a worker
+instead of failing. For one TTL after the registry starts (a restarted router) every pool may
+still have workers it simply has not heard yet.
+
 Blocks are indexed twice: per worker (to forget them when the worker goes) and per hash →
 holders (so the overlap of a prompt with *every* worker is one walk down its block chain).
 """
@@ -26,6 +32,8 @@ class WorkerView:
     blocks: set[int] = field(default_factory=set)
     # time.monotonic() of assignments this router made that the last beat may not count yet.
     pending_at: list[float] = field(default_factory=list)
+    # time.monotonic() of this incarnation's first beat (a restarted worker is a new one).
+    joined_at: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -43,8 +51,13 @@ class WorkerView:
 
 
 class WorkerRegistry:
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, return_wait_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
+        self.return_wait_s = return_wait_s
+        self.started_at = time.monotonic()
+        # worker id → (pool, time.monotonic() it stopped beating) for workers lost without
+        # draining, kept ``return_wait_s``.
+        self.lost: dict[str, tuple[str, float]] = {}
         self.workers: dict[str, WorkerView] = {}
         # block hash → ids of the workers that hold it
         self.holders: dict[int, set[str]] = {}
@@ -56,7 +69,8 @@ class WorkerRegistry:
         self.pool_model[beat.pool] = beat.model
         view = self.workers.get(beat.worker_id)
         if view is None:
-            self.workers[beat.worker_id] = WorkerView(beat=beat, seen_at=now)
+            self.workers[beat.worker_id] = WorkerView(beat=beat, seen_at=now, joined_at=now)
+            self.lost.pop(beat.worker_id, None)
             return
         # NOTE: an assignment made before the previous beat arrived has had a whole beat period
         # to show up in running/waiting; later ones may not be counted yet, so they stay.
@@ -99,8 +113,32 @@ class WorkerRegistry:
         now = time.monotonic() if now is None else now
         gone = [w for w, v in self.workers.items() if now - v.seen_at > self.ttl_s]
         for w in gone:
-            self._forget_blocks(self.workers.pop(w))
+            view = self.workers.pop(w)
+            self._forget_blocks(view)
+            if not view.beat.draining and self.return_wait_s > 0:
+                self.lost[w] = (view.beat.pool, now)
+        for w, (_, at) in list(self.lost.items()):
+            if now - at > self.return_wait_s:
+                del self.lost[w]
         return gone
+
+    def returning_until(self, pools: list[str], now: float | None = None) -> float:
+        """``time.monotonic()`` until which a worker may still come to one of ``pools`` (0.0:
+        none is expected): one TTL after this registry started (no beat heard yet is not no
+        worker), and ``return_wait_s`` after a worker of one of them was lost without draining."""
+        now = time.monotonic() if now is None else now
+        until = self.started_at + self.ttl_s
+        lost = list(self.lost.values())
+        if self.return_wait_s > 0:  # past their TTL, not yet dropped by ``expire``
+            lost += [
+                (v.beat.pool, v.seen_at + self.ttl_s)
+                for v in self.workers.values()
+                if now - v.seen_at > self.ttl_s and not v.beat.draining
+            ]
+        for pool, at in lost:
+            if pool in pools:
+                until = max(until, at + self.return_wait_s)
+        return until if until > now else 0.0
 
     def refresh(self, now: float | None = None) -> None:
         """Every known worker counts as just seen: after the router itself was cut off from

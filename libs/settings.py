@@ -221,6 +221,13 @@ class RouterSettings(BaseModel):
     # token, as a migration (the tokens streamed so far carried over) after it.
     replace_lost: bool = True
     max_attempts: int = 3
+    # A worker lost without draining (a crash or kill: `strait up`'s supervisor, the planner or
+    # Kubernetes brings it back) makes its pool "coming back" for this long: the pool's new
+    # requests stay queued for a worker instead of a 503 no_worker (at most
+    # max_pool_queue of them), and a stream it was running pauses (Migrated, reason
+    # waiting_for_worker) and goes on from the first worker that beats in the pool. Past it:
+    # no_worker / worker_lost. A warm restart under `strait up` takes ~13 s; 0: never wait.
+    worker_return_wait_s: float = Field(default=30.0, ge=0)
     # Requests watched at once, and how long a watched stream may stay silent before the
     # router forgets it.
     max_watched: int = 10_000

@@ -74,11 +74,11 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         ROUTER_DURABLE, [subjects.requests, subjects.team_requests_all], ack_wait
     )
     await ensure_consumer(js, s.nats.requests_stream, consumer)
-    registry = WorkerRegistry(s.router.worker_ttl_s)
+    registry = WorkerRegistry(s.router.worker_ttl_s, s.router.worker_return_wait_s)
     router = Router(nc, js, s, registry)
     if on_router is not None:
         on_router(router)
-    slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
+    slots = router.slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
     inflight: set[asyncio.Task[None]] = set()
     readers: dict[str, asyncio.Task[None]] = {}  # team → its stream's request loop
 
@@ -233,7 +233,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
                 log.info("worker expired", extra=fields(worker_id=gone))
                 spawn(replace(gone))
             await router.watch.sweep()
-            await router.stalled_streams()
+            spawn(router.stalled_streams())  # a move may wait for a worker to come back
             await team_streams()
             metrics.WATCHED.set(len(router.watch.watched))
             for pool in {p.name for p in s.pools} | registry.pools():

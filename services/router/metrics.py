@@ -35,3 +35,13 @@ REDELIVERED = Counter(
     "Requests JetStream delivered again (a router died holding them, or took past the ack wait)",
 )
 REJECTED = Counter("strait_router_rejected_total", "Requests answered with an error", ["code"])
+WAITING = Gauge(
+    "strait_router_waiting_for_worker",
+    "Requests waiting for a worker to come back to their pool (router.worker_return_wait_s)",
+    ["pool"],
+)
+WAIT_SECONDS = Histogram(
+    "strait_router_wait_for_worker_seconds",
+    "Time a request waited for a worker to come to its pool",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60),
+)

@@ -11,17 +11,24 @@ to another allowed pool when the chosen one has no live worker (``router.spill_o
 worker in it is saturated (``router.saturation_spill``), hashes the prompt's prefix blocks the
 way the pool's workers do, and ranks the pool's live workers by cost (``placement``). Every
 outcome carries a ``RouteReason``; no worker anywhere → a typed ``no_worker`` error with
-``retry_after_s`` on the request's stream.
+``retry_after_s`` on the request's stream, unless a worker may still come to the pool
+(``WorkerRegistry.returning_until``: the router has just started, or a worker of the pool was
+lost without draining and is being restarted): then the request waits for one
+(``decide_waiting``), still unacked in JetStream, up to ``router.worker_return_wait_s``.
 
 A placed request is watched until its stream ends (``watch``); when its worker's beats stop
 first, ``worker_lost`` places it again on another worker of its pool (code ``replaced``,
 ``attempt + 1``): from scratch before its first token, as a migration after (the ``Migrated``
-marker on the stream, then ``Assignment.migration`` with the tokens streamed so far).
+marker on the stream, then ``Assignment.migration`` with the tokens streamed so far). With
+no other worker in the pool the marker's reason is ``waiting_for_worker``: the stream pauses
+until a worker beats in the pool (the lost one restarted) and continues there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -108,6 +115,8 @@ class Rejection:
     message: str
     param: str | None = None
     retry_after_s: float | None = None
+    # no_worker: the pools that had none (a worker coming to one of them is waited for).
+    pools: list[str] = field(default_factory=list)
 
 
 class Router:
@@ -140,6 +149,12 @@ class Router:
             nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.teams.finished
         )
         self._tracer = tracer("strait.router")
+        # Requests waiting for a worker to come to their pool, by pool (bounded by
+        # router.max_pool_queue), and the decision slots of the service (services.router.main
+        # sets them; ``handle`` holds one): a request that waits gives its slot back meanwhile,
+        # so other pools' requests keep being routed.
+        self.waiting: dict[str, int] = {}
+        self.slots: asyncio.Semaphore | None = None
 
     # ------------------------------------------------------------ pool choice
 
@@ -175,16 +190,22 @@ class Router:
     # ------------------------------------------------------------ the decision
 
     def decide(
-        self, req: GenerateRequest, exclude: frozenset[str] = frozenset(), pool: str = ""
+        self,
+        req: GenerateRequest,
+        exclude: frozenset[str] = frozenset(),
+        pool: str = "",
+        since: float = math.inf,
     ) -> Decision | Rejection:
         """Pool and ranked workers for ``req`` (no I/O; timed as the routing overhead).
-        ``pool``: only this pool (a migration continues on the same model and format)."""
+        ``pool``: only this pool (a migration continues on the same model and format).
+        ``exclude``: workers not to use, unless they (re)joined after ``since`` (a lost worker
+        that was restarted is a new one)."""
         t0 = time.perf_counter()
         choice = PoolChoice(pool, "migrated", allowed=[pool]) if pool else self.choose_pool(req)
         if choice is None:
             return Rejection("model_not_found", f"model {req.model!r} is not served here", "model")
         now = time.monotonic()
-        live = {p: self._live(p, exclude, now) for p in choice.allowed}
+        live = {p: self._live(p, exclude, since, now) for p in choice.allowed}
         pool, code, factors = choice.pool, choice.code, list(choice.factors)
         workers = live[pool]
         spill = [p for p in choice.allowed[1:] if live[p]]
@@ -195,6 +216,7 @@ class Router:
                     f"no live worker in pool {pool!r}"
                     + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
                     retry_after_s=self.cfg.retry_after_s,
+                    pools=list(choice.allowed),
                 )
             factors.append(f"no_live_worker:{pool}")
             pool, code = spill[0], "spill_over"
@@ -224,13 +246,14 @@ class Router:
             decoders = [
                 w
                 for w in self.registry.live(pool, roles=("decode",), now=now)
-                if w.worker_id not in exclude
+                if not _excluded(w, exclude, since)
             ]
             if not decoders:
                 return Rejection(
                     "no_worker",
                     f"no live decode worker in pool {pool!r}",
                     retry_after_s=self.cfg.retry_after_s,
+                    pools=[pool],
                 )
             by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
             decode_workers = [p.worker.worker_id for p in by_load]
@@ -255,8 +278,74 @@ class Router:
             return [], len(prompt_text(req)) // CHARS_PER_TOKEN
         return self.hashers.chain(ids, block_size, model_id), len(ids)
 
-    def _live(self, pool: str, exclude: frozenset[str], now: float) -> list[WorkerView]:
-        return [w for w in self.registry.live(pool, now=now) if w.worker_id not in exclude]
+    def _live(
+        self, pool: str, exclude: frozenset[str], since: float, now: float
+    ) -> list[WorkerView]:
+        return [w for w in self.registry.live(pool, now=now) if not _excluded(w, exclude, since)]
+
+    def worker_coming(self, decision: Decision | Rejection) -> bool:
+        """``decision`` found no worker, and one may still come (``returning_until``)."""
+        return (
+            isinstance(decision, Rejection)
+            and decision.code == "no_worker"
+            and self.registry.returning_until(decision.pools) > 0
+        )
+
+    async def decide_waiting(
+        self,
+        req: GenerateRequest,
+        exclude: frozenset[str] = frozenset(),
+        pool: str = "",
+        since: float = math.inf,
+        keepalive: Callable[[], Awaitable[None]] | None = None,
+        held: asyncio.Semaphore | None = None,
+    ) -> Decision | Rejection:
+        """``decide``; while it finds no worker where one may still come, wait for one (decided
+        again every ``router.sweep_interval_s``). ``keepalive`` runs every
+        ``router.assign_timeout_s`` meanwhile (JetStream's in-progress: the ack wait is four
+        of those and more, so the request is not delivered again while it waits); ``held``,
+        a slot the caller holds, is given back for the wait."""
+        decision = self.decide(req, exclude, pool, since)
+        if not self.worker_coming(decision):
+            return decision
+        assert isinstance(decision, Rejection)
+        key = decision.pools[0]
+        if self.waiting.get(key, 0) >= self.cfg.max_pool_queue:
+            return Rejection(
+                "no_capacity",
+                f"{self.waiting[key]} requests already wait for a worker in pool {key!r} "
+                f"(router.max_pool_queue={self.cfg.max_pool_queue})",
+                retry_after_s=self.cfg.retry_after_s,
+            )
+        t0 = last_keepalive = time.monotonic()
+        self.waiting[key] = self.waiting.get(key, 0) + 1
+        metrics.WAITING.labels(pool=key).inc()
+        log.info(
+            "waiting for a worker",
+            extra=fields(request_id=req.request_id, pools=decision.pools),
+        )
+        if held is not None:
+            held.release()
+        try:
+            while self.worker_coming(decision):
+                await asyncio.sleep(self.cfg.sweep_interval_s)
+                decision = self.decide(req, exclude, pool, since)
+                now = time.monotonic()
+                if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
+                    last_keepalive = now
+                    await keepalive()
+        finally:
+            self.waiting[key] -= 1
+            metrics.WAITING.labels(pool=key).dec()
+            if held is not None:
+                await held.acquire()
+        waited = time.monotonic() - t0
+        metrics.WAIT_SECONDS.observe(waited)
+        if isinstance(decision, Rejection) and decision.code == "no_worker":
+            decision.message += (
+                f" (waited {waited:.1f} s for one to come back; router.worker_return_wait_s)"
+            )
+        return decision
 
     # ------------------------------------------------------------ one message
 
@@ -300,7 +389,9 @@ class Router:
         with self._tracer.start_as_current_span(
             "router.route", context=ctx, attributes={"strait.request_id": req.request_id}
         ) as span:
-            route = await self.place(req, on_accepted=ack)
+            route = await self.place(
+                req, on_accepted=ack, keepalive=msg.in_progress, held=self.slots
+            )
             if route is not None:
                 span.set_attributes(_span_attributes(route))
         await ack()
@@ -313,11 +404,15 @@ class Router:
         migration: Migration | None = None,
         pool: str = "",
         on_accepted: Callable[[], Awaitable[None]] | None = None,
+        since: float = math.inf,
+        keepalive: Callable[[], Awaitable[None]] | None = None,
+        held: asyncio.Semaphore | None = None,
     ) -> RouteReason | None:
-        """Decide, then offer ``req`` to the ranked workers until one accepts.
-        ``on_accepted`` runs the moment one does (``handle`` acks the JetStream message there,
-        so a router that dies after the placement does not have it redelivered)."""
-        decision = self.decide(req, exclude, pool)
+        """Decide (waiting for a worker that is coming), then offer ``req`` to the ranked
+        workers until one accepts. ``on_accepted`` runs the moment one does (``handle`` acks
+        the JetStream message there, so a router that dies after the placement does not have
+        it redelivered); ``keepalive`` and ``held`` for a wait (``decide_waiting``)."""
+        decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":
                 # Moving a lost worker's request: say what happened, not just what is missing.
@@ -408,8 +503,13 @@ class Router:
             )
             return
         migration = None
+        # Workers that (re)join from now on may take it, the restarted lost one included.
+        since = time.monotonic()
+        pool = w.route.pool if w.route is not None and w.streamed else ""
         if w.streamed:
             migration = w.migration(worker_id)
+            if self.worker_coming(self.decide(w.req, frozenset(w.lost), pool, since)):
+                reason = "waiting_for_worker"  # the stream pauses until a worker comes
             marker = Migrated(
                 seq=w.last_seq + 1,
                 request_id=rid,
@@ -439,8 +539,9 @@ class Router:
             "router.migrate" if migration else "router.replace",
             attributes={"strait.request_id": rid},
         ) as span:
-            pool = w.route.pool if w.route is not None and migration else ""
-            route = await self.place(w.req, w.attempt + 1, frozenset(w.lost), migration, pool)
+            route = await self.place(
+                w.req, w.attempt + 1, frozenset(w.lost), migration, pool, since=since
+            )
             if route is not None:
                 span.set_attributes(_span_attributes(route))
 
@@ -539,6 +640,10 @@ class Router:
             await self.nc.publish(subject, encode(err))
         else:
             await dead_letter(self.nc, self.subjects, msg, str(e), "router")
+
+
+def _excluded(w: WorkerView, exclude: frozenset[str], since: float) -> bool:
+    return w.worker_id in exclude and w.joined_at <= since
 
 
 def _min_load(workers: list[WorkerView]) -> float:

@@ -137,6 +137,7 @@ async def test_no_worker_left_is_a_typed_error_within_a_ttl(
     router_settings: Settings, client: Client
 ) -> None:
     router_settings.fake_engine.per_token_s = 0.02
+    router_settings.router.worker_return_wait_s = 0.0  # no wait for a worker to come back
     r = req("m3", max_tokens=200)
     async with InProcessFleet(router_settings) as fleet:
         workers = {"only": await fleet.add_worker("only")}
@@ -148,6 +149,83 @@ async def test_no_worker_left_is_a_typed_error_within_a_ttl(
     assert [m.seq for m in got] == list(range(1, len(got) + 1))
     ttl = router_settings.router.worker_ttl_s
     assert at[-1] - killed_at < ttl + 1.0  # not the client's idle timeout
+
+
+async def test_a_lone_worker_lost_mid_stream_the_stream_waits_and_resumes_on_its_restart(
+    router_settings: Settings, client: Client
+) -> None:
+    """The pool's only worker is killed mid-stream and restarted (same id, as `strait up`
+    does) 1.5 s later: the stream pauses with one Migrated marker saying why
+    (``waiting_for_worker``) and goes on from the restarted worker, with exactly the text of an
+    uninterrupted run."""
+    router_settings.fake_engine.per_token_s = 0.02
+    r = req("m5", max_tokens=60)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {"only": await fleet.add_worker("only")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"only"})
+
+        async def restart() -> None:
+            await poll(lambda: not workers["only"].nc.is_connected, what="the kill")
+            await asyncio.sleep(1.5)
+            await fleet.add_worker("only")
+
+        restarting = asyncio.create_task(restart())
+        got, at, killed_at = await read_until_kill(client, r, 10, workers)
+        await restarting
+    deltas = [m for m in got if isinstance(m, TokenDelta)]
+    markers = [m for m in got if isinstance(m, Migrated)]
+    assert isinstance(got[-1], Finished), got[-1]
+    assert [m.seq for m in got] == list(range(1, len(got) + 1))
+    assert [(m.reason, m.num_tokens) for m in markers] == [("waiting_for_worker", 10)]
+    assert "".join(d.text for d in deltas) == await reference_text(router_settings, r)
+    assert got[-1].usage.completion_tokens == 60
+    resumed = next(
+        t for m, t in zip(got, at, strict=True) if isinstance(m, TokenDelta) and t > killed_at
+    )
+    assert 1.5 < resumed - killed_at < 1.5 + 2.0  # the restart, then a beat and a placement
+
+
+async def test_a_lost_worker_that_does_not_come_back_ends_the_stream_after_the_wait(
+    router_settings: Settings, client: Client
+) -> None:
+    router_settings.fake_engine.per_token_s = 0.02
+    router_settings.router.worker_return_wait_s = 1.0
+    r = req("m6", max_tokens=200)
+    async with InProcessFleet(router_settings) as fleet:
+        workers = {"only": await fleet.add_worker("only")}
+        await poll(lambda: bool(fleet.routers) and live(fleet.routers[0]) == {"only"})
+        got, at, killed_at = await read_until_kill(client, r, 3, workers)
+    end = got[-1]
+    assert isinstance(end, ErrorMessage) and end.code == "worker_lost", end
+    assert "router.worker_return_wait_s" in end.message
+    assert [m.reason for m in got if isinstance(m, Migrated)] == ["waiting_for_worker"]
+    ttl = router_settings.router.worker_ttl_s
+    assert 1.0 + ttl < at[-1] - killed_at < ttl + 1.0 + 1.0
+
+
+async def test_requests_sent_while_the_lone_worker_restarts_wait_and_are_served(
+    router_settings: Settings, client: Client
+) -> None:
+    """Requests for a pool whose only worker was lost (and is restarting) stay queued instead
+    of a 503 no_worker, and are all served once it beats again."""
+    async with InProcessFleet(router_settings) as fleet:
+        only = await fleet.add_worker("only")
+        router = await _router(fleet)
+        await poll(lambda: live(router) == {"only"})
+        await only.kill()
+        await poll(lambda: not live(router), what="the worker to expire")
+        sent = [req(f"q{i}", max_tokens=5) for i in range(6)]
+        runs = [asyncio.create_task(client.run(r)) for r in sent]
+        await poll(lambda: router.waiting.get("default", 0) == len(sent), what="the wait")
+        await fleet.add_worker("only")
+        outs = await asyncio.gather(*runs)
+    assert [type(o[-1]).__name__ for o in outs] == ["Finished"] * len(sent)
+    assert router.waiting == {"default": 0}
+
+
+async def _router(fleet: InProcessFleet) -> Router:
+    await poll(lambda: bool(fleet.routers), what="the router")
+    return fleet.routers[0]
 
 
 async def test_n_greater_than_one_mid_stream_ends_with_worker_lost(

@@ -64,3 +64,28 @@ def test_pending_assignments_last_until_a_beat_can_show_them() -> None:
     r.on_beat(beat("a", running=2), now=0.4)  # a full period later: the first is counted
     assert r.workers["a"].pending == 1
     assert r.workers["a"].load == pytest.approx(0.3)
+
+
+def test_a_worker_is_expected_while_unheard_since_start_or_lost_without_draining() -> None:
+    """``returning_until``: one TTL after the registry starts (no beat heard yet is not no
+    worker); ``return_wait_s`` after a worker was lost without draining, also before the sweep
+    dropped it; never for a worker that drained away or for another pool."""
+    r = WorkerRegistry(ttl_s=1.0, return_wait_s=30.0)
+    start = r.started_at
+    assert r.returning_until(["default"], now=start + 0.5) == start + 1.0
+    assert r.returning_until(["default"], now=start + 1.0) == 0.0
+    t = start + 10.0
+    r.on_beat(beat("a"), now=t)
+    r.on_beat(beat("b", draining=True), now=t)
+    # a's TTL ran out, the sweep has not dropped it yet: already expected back.
+    assert r.returning_until(["default"], now=t + 1.2) == t + 1.0 + 30.0
+    assert r.expire(now=t + 1.2) == ["a", "b"]
+    assert set(r.lost) == {"a"}
+    assert r.returning_until(["default"], now=t + 20.0) == t + 1.2 + 30.0
+    assert r.returning_until(["other"], now=t + 20.0) == 0.0
+    r.on_beat(beat("a"), now=t + 21.0)  # back: no longer waited for
+    assert r.lost == {} and r.workers["a"].joined_at == t + 21.0
+    r.expire(now=t + 40.0)
+    assert r.returning_until(["default"], now=t + 40.0 + 29.0) > 0
+    assert r.returning_until(["default"], now=t + 40.0 + 31.0) == 0.0
+    assert r.expire(now=t + 40.0 + 31.0) == [] and r.lost == {}
