@@ -26,6 +26,7 @@ shapes may differ from float32 after a near tie; the float32 contract is ``pytes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -50,6 +51,7 @@ class Level:
     graph_replays: int
     roofline_tok_s: float
     same_as_reference: str = ""
+    attention: str = ""
 
 
 @dataclass
@@ -158,16 +160,20 @@ def run_engine(
 
 
 VARIANTS = {
-    # name: (dtype, cuda graphs, compile)
-    "eager-fp32": ("float32", False, False),
-    "eager-bf16": ("bfloat16", False, False),
-    "graphs-fp32": ("float32", True, False),
-    "graphs-bf16": ("bfloat16", True, False),
-    "graphs+compile-bf16": ("bfloat16", True, True),
-    "graphs+compile-fp32": ("float32", True, True),
+    # name: (dtype, CUDA graphs, compile, engine.cuda_attention)
+    "eager-fp32": ("float32", False, False, "auto"),
+    "eager-bf16": ("bfloat16", False, False, "auto"),
+    "graphs-fp32": ("float32", True, False, "auto"),
+    "graphs-bf16": ("bfloat16", True, False, "auto"),
+    "graphs+compile-bf16": ("bfloat16", True, True, "auto"),
+    "graphs+compile-fp32": ("float32", True, True, "auto"),
+    # The graphs' attention as a gather of whole blocks and torch's SDPA instead of Triton's
+    # paged kernel (what the first sitting ran).
+    "graphs-sdpa-bf16": ("bfloat16", True, False, "sdpa"),
+    "graphs+compile-sdpa-bf16": ("bfloat16", True, True, "sdpa"),
     # The same graphs captured by torch.compile(mode="reduce-overhead") (cudagraph trees) over
     # the eager forward instead of torch.cuda.CUDAGraph: the alternative decision 0018 weighs.
-    "reduce-overhead-bf16": ("bfloat16", True, False),
+    "reduce-overhead-bf16": ("bfloat16", True, False, "auto"),
 }
 
 
@@ -179,6 +185,11 @@ def reduce_overhead_capture(cache: torch.Tensor) -> Any:
     torch._dynamo.config.cache_size_limit = 64
 
     def capture(fn: Any) -> Any:
+        # The step's own buffers (refilled in place every step) are static addresses too.
+        for cell in fn.__closure__ or ():
+            if isinstance(cell.cell_contents, torch.Tensor):
+                with contextlib.suppress(Exception):  # a view cannot be marked; its base is
+                    torch._dynamo.mark_static_address(cell.cell_contents)
         compiled = torch.compile(fn, mode="reduce-overhead")
         for _ in range(3):  # compile, warm up, record
             compiled()
@@ -192,7 +203,7 @@ def make_engine(args: argparse.Namespace, variant: str, device: torch.device) ->
     from libs.engine.engine import LLMEngine
     from libs.settings import EngineSettings
 
-    dtype, graphs, compile_ = VARIANTS[variant]
+    dtype, graphs, compile_, attention = VARIANTS[variant]
     streams = max(args.streams)
     settings = EngineSettings(
         device=str(device),
@@ -206,6 +217,7 @@ def make_engine(args: argparse.Namespace, variant: str, device: torch.device) ->
         prefill_chunk_tokens=0,
         kv_cache_bytes=args.kv_gib * 2**30,
         max_model_len=args.prompt_tokens + args.max_tokens + 16,
+        cuda_attention=args.attention or attention,
     )
     model = build_model(args, getattr(torch, dtype), device)
     # On a CPU (a dry run) the graphs' bookkeeping runs without graphs.
@@ -229,7 +241,7 @@ def kernels_of_a_step(engine: Any, out: list[str]) -> None:
         return
     key = min(graphs.graphs)
     g = graphs.graphs[key]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
         g.step()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -301,14 +313,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "graphs+compile-bf16",
             "peer",
             "graphs-bf16",
-            "eager-bf16",
             "graphs-fp32",
             "graphs+compile-fp32",
+            "graphs-sdpa-bf16",
+            "eager-bf16",
             "reduce-overhead-bf16",
         ],
         choices=[*VARIANTS, "peer"],
         help="in this order; `peer`: transformers' generate at the --peer stream counts",
     )
+    p.add_argument("--attention", default="", help="engine.cuda_attention for every variant")
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kv-gib", type=int, default=4, help="engine.kv_cache_bytes in GiB")
@@ -386,10 +400,13 @@ def main(argv: list[str] | None = None) -> int:
                 elif c in reference:
                     same = f"{sum(a == b for a, b in zip(reference[c], outputs, strict=True))}/{c}"
                 level = Level(variant, c, tokens / wall, wall, steps, step_ms, replays, roof, same)
+                level.attention = (
+                    ("triton" if graphs.triton else "sdpa") if graphs is not None else "eager"
+                )
                 report.levels.append(level)
                 print(
                     f"  {variant} @{c}: {level.tok_s:.1f} tok/s, decode step {step_ms:.2f} ms, "
-                    f"{steps} steps ({replays} replayed), roofline {roof:.0f} tok/s, "
+                    f"{steps} steps ({replays} replayed, {level.attention}), roofline {roof:.0f} tok/s, "
                     f"same as {args.variants[0]}: {same or '-'}",
                     flush=True,
                 )

@@ -386,6 +386,11 @@ class EngineSettings(BaseModel):
     cuda_graph_batch_sizes: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
     )
+    # Attention in those graphs: "triton" reads each row's blocks in place with Strait's Triton
+    # kernel (libs/engine/triton_attention.py), "sdpa" gathers them for torch's SDPA; "auto" is
+    # "triton" where Triton is installed (torch's CUDA wheels carry it) and the head size is a
+    # power of two.
+    cuda_attention: Literal["auto", "triton", "sdpa"] = "auto"
 
     @model_validator(mode="after")
     def _resolve_auto_dtype(self) -> EngineSettings:

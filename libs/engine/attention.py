@@ -97,6 +97,10 @@ class AttentionMetadata:
     # Every packed token is a decode token, in order (the decode graphs' steps): the queries
     # need no gather and the outputs no scatter (two kernels a layer fewer).
     decode_all: bool = False
+    # With decode_all, Triton's paged kernel instead of the gather + SDPA (the decode graphs
+    # on CUDA, engine.cuda_attention): each row's blocks and context length, no mask.
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] long
+    decode_context_lens: torch.Tensor | None = None  # [B] long
     # With Strait's CPU kernels (libs/engine/kernels): every token is one query row.
     kernels: Any = None  # the compiled module, or None for torch's kernels
     block_tables: torch.Tensor | None = None  # [T, max_blocks] long: the token's sequence's
@@ -137,6 +141,24 @@ def paged_attention(
         else:
             out = meta.kernels.paged_attention(*args)
         return out.unsqueeze(0), None
+
+    if meta.decode_context_lens is not None:
+        # A decode graph's step with Triton's paged kernel (libs/engine/triton_attention.py).
+        assert meta.decode_tables is not None
+        args = (
+            query[0],
+            key[0],
+            value[0],
+            meta.cache.data,
+            module.layer_idx,
+            meta.slot_mapping,
+            meta.decode_tables,
+            meta.decode_context_lens,
+            scale,
+        )
+        if torch.compiler.is_compiling():  # one opaque op, as below
+            return torch.ops.strait_torch.paged_decode_triton(*args).unsqueeze(0), None
+        return paged_decode_triton(*args).unsqueeze(0), None
 
     if torch.compiler.is_compiling() and not meta.prefills:
         # A compiled decode step (CUDA graphs with engine.compile): the cache write and the
@@ -257,8 +279,8 @@ def paged_decode(
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]
     write_kv(k_cache, v_cache, slot_mapping, key, value)
     od = decode_rows(query.to(ACT), k_cache, v_cache, token_idx, block_ids, mask, scale)
-    if token_idx is None:
-        return od.to(query.dtype)
+    if token_idx is None:  # contiguous, as the fake kernel says (SDPA's output may not be)
+        return od.to(query.dtype).contiguous()
     out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
     return out.index_copy_(0, token_idx, od.to(out.dtype))
 
@@ -297,3 +319,40 @@ def register() -> None:
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
         _registered = True
+
+
+@torch.library.custom_op("strait_torch::paged_decode_triton", mutates_args=("kv",))
+def paged_decode_triton(
+    query: torch.Tensor,  # [H, T, D], every token a decode token, in order
+    key: torch.Tensor,  # [Hkv, T, D]
+    value: torch.Tensor,
+    kv: torch.Tensor,  # the whole cache: [layers, 2, Hkv, num_blocks, block_size, D]
+    layer: int,
+    slot_mapping: torch.Tensor,  # [T]
+    tables: torch.Tensor,  # [T, max_blocks]
+    lens: torch.Tensor,  # [T]
+    scale: float,
+) -> torch.Tensor:
+    """:func:`write_kv`, then Triton's paged decode kernel over each row's own blocks; returns
+    ``[T, H, D]`` in the query's dtype."""
+    from libs.engine import triton_attention
+
+    k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+    write_kv(k_cache, v_cache, slot_mapping, key, value)
+    q = query.transpose(0, 1)  # [T, H, D], a view
+    return triton_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, query.dtype)
+
+
+@paged_decode_triton.register_fake
+def _paged_decode_triton_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return query.new_empty(query.shape[1], query.shape[0], query.shape[2])  # [T, H, D]

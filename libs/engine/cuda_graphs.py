@@ -117,11 +117,13 @@ class DecodeGraphs:
         capture: Capture,
         *,
         dynamic: bool = False,
+        triton: bool = False,
     ) -> None:
         """``forward``: the model call (eager or compiled); ``scratch_block``: a cache block no
         sequence is ever given (padding rows write and read it); ``dynamic``: mark the sizes
         that differ between graphs dynamic (a compiled ``forward`` then compiles once for every
-        bucket instead of once each)."""
+        bucket instead of once each); ``triton``: attention by Triton's paged kernel
+        (``libs/engine/triton_attention.py``) instead of a gather and SDPA."""
         self.forward = forward
         self.cache = cache
         self.scratch_block = scratch_block
@@ -129,6 +131,7 @@ class DecodeGraphs:
         self.max_width = max_width
         self.capture = capture
         self.dynamic = dynamic
+        self.triton = triton
         self.device = cache.data.device
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
@@ -207,6 +210,14 @@ class DecodeGraphs:
         g.staging.copy_(torch.tensor(flat, dtype=torch.int64))
         g.inputs.copy_(g.staging, non_blocking=True)
 
+    def _logits(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        out = self.forward(
+            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=0, strait_attn=meta
+        )
+        return out.logits[0].float()  # [rows, vocab]
+
     def _capture(self, rows: int, width: int) -> _Graph:
         n = rows * (4 + width)
         pin = self.device.type == "cuda"
@@ -219,22 +230,36 @@ class DecodeGraphs:
         pos = torch.empty(1, rows, dtype=torch.int64, device=self.device)
         slots = torch.empty(rows, dtype=torch.int64, device=self.device)
         lens = torch.empty(rows, dtype=torch.int64, device=self.device)
+        # The block tables: flat for the gather (sdpa), [rows, width] for Triton's kernel.
         block_ids = torch.empty(rows * width, dtype=torch.int64, device=self.device)
+        tables = torch.empty(rows, width, dtype=torch.int64, device=self.device)
         token_idx = self._row_idx[:rows].clone()
         key_pos = self._key_pos[: width * bs]
         if self.dynamic:
             if rows > 1:
                 for t in (ids, pos):
                     torch._dynamo.mark_dynamic(t, 1)
-                for t in (slots, token_idx):
+                for t in (slots, token_idx, lens, tables):
                     torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(block_ids, 0)
+            torch._dynamo.mark_dynamic(tables, 1)
 
         def step() -> torch.Tensor:
             ids.view(-1).copy_(inputs[:rows])
             pos.view(-1).copy_(inputs[rows : 2 * rows])
             slots.copy_(inputs[2 * rows : 3 * rows])
             lens.copy_(inputs[3 * rows : 4 * rows])
+            if self.triton:
+                tables.copy_(inputs[4 * rows :].view(rows, width))
+                meta = AttentionMetadata(
+                    cache=self.cache,
+                    slot_mapping=slots,
+                    decode_token_idx=token_idx,
+                    decode_all=True,
+                    decode_tables=tables,
+                    decode_context_lens=lens,
+                )
+                return self._logits(ids, pos, meta)
             block_ids.copy_(inputs[4 * rows :])
             # [1, rows, 1, width * block_size]: True where the key is inside the row's context.
             mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, :].unsqueeze(0)
@@ -250,10 +275,7 @@ class DecodeGraphs:
                 decode_mask=mask,
                 decode_all=True,
             )
-            out = self.forward(
-                input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=0, strait_attn=meta
-            )
-            return out.logits[0].float()  # [rows, vocab]
+            return self._logits(ids, pos, meta)
 
         # Capture over padding only: warm-up and capture write K/V into the scratch block.
         g = _Graph(rows, width, staging, inputs, step, step)

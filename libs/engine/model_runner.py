@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from libs.engine import attention, fuse, kernels, quant
+from libs.engine import attention, fuse, kernels, quant, triton_attention
 from libs.engine.aot import AotForward
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
 from libs.engine.cuda_graphs import Capture, DecodeGraphs, batch_bucket, cuda_capture
@@ -277,6 +277,11 @@ class ModelRunner:
         n_max = settings.max_num_seqs
         sizes = sorted(n for n in settings.cuda_graph_batch_sizes if n < n_max)
         sizes.append(batch_bucket(n_max, sorted(settings.cuda_graph_batch_sizes)) or n_max)
+        use_triton = settings.cuda_attention == "triton" or (
+            settings.cuda_attention == "auto"
+            and self.device.type == "cuda"
+            and triton_attention.supports(self.shape.head_dim)
+        )
         graphs = DecodeGraphs(
             forward,
             self.kv_cache,
@@ -285,12 +290,14 @@ class ModelRunner:
             max_width=-(-max_len // self.block_size),
             capture=capture,
             dynamic=settings.compile,
+            triton=use_triton,
         )
         log.info(
-            "decode steps as graphs: up to %d rows (%s), %s forward",
+            "decode steps as graphs: up to %d rows (%s), %s forward, %s attention",
             graphs.batch_sizes[-1],
             ", ".join(map(str, graphs.batch_sizes)),
             "compiled" if settings.compile else "eager",
+            "Triton's paged" if use_triton else "gather + SDPA",
         )
         return graphs
 

@@ -41,6 +41,7 @@ UNSHAPING = {
     # CUDA only: they shape no CPU graph.
     "cuda_graphs",
     "cuda_graph_batch_sizes",
+    "cuda_attention",
 }
 # Modules whose source shapes the compiled graph, relative to libs/engine.
 GRAPH_SOURCES = (

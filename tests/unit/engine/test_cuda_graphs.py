@@ -5,9 +5,13 @@ plain call over the graph's own buffers) equal to ``generate``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from libs.engine import triton_attention
+from libs.engine.attention import decode_rows
 from libs.engine.cuda_graphs import batch_bucket, eager_capture, width_bucket
 from libs.engine.engine import LLMEngine
 from libs.engine.sampler import Sampler, SamplingRow, device_greedy
@@ -23,6 +27,13 @@ from tests.unit.engine.helpers import (
 from tests.unit.engine.test_invariance import prompts
 
 pytestmark = pytest.mark.unit
+
+# Triton's kernel runs on a GPU, or on a CPU under Triton's interpreter (TRITON_INTERPRET=1).
+needs_triton = pytest.mark.skipif(
+    not triton_attention.AVAILABLE
+    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton on a GPU, or its interpreter (TRITON_INTERPRET=1)",
+)
 
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere() -> None:
@@ -47,7 +58,7 @@ def test_buckets() -> None:
     ]
 
 
-def _engine(model: torch.nn.Module) -> LLMEngine:
+def _engine(model: torch.nn.Module, attention: str = "sdpa") -> LLMEngine:
     settings = engine_settings(
         model,
         num_blocks=64,
@@ -55,18 +66,27 @@ def _engine(model: torch.nn.Module) -> LLMEngine:
         max_num_seqs=6,
         cpu_kernels="off",
         cuda_graph_batch_sizes=[1, 2, 4],
+        cuda_attention=attention,
     )
     return LLMEngine(model, None, settings, "tiny", graph_capture=eager_capture)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_through_the_graphs_equals_generate(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "attention"),
+    [
+        ("llama", "sdpa"),
+        ("qwen2", "sdpa"),
+        pytest.param("llama", "triton", marks=needs_triton),
+        pytest.param("qwen2", "triton", marks=needs_triton),
+    ],
+)
+def test_greedy_through_the_graphs_equals_generate(arch: str, attention: str) -> None:
     model = tiny_model(arch)
     ps = prompts()
     refs = [reference_greedy(model, p, 12) for p in ps]
-    engine = _engine(model)
+    engine = _engine(model, attention)
     runner = engine.runner
-    assert runner.graphs is not None
+    assert runner.graphs is not None and runner.graphs.triton == (attention == "triton")
     # One block beyond the pool's: the padding rows' scratch block.
     assert runner.kv_cache.num_blocks == engine.pool.num_blocks + 1
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -75,7 +95,7 @@ def test_greedy_through_the_graphs_equals_generate(arch: str) -> None:
     for i in range(len(ps)):
         assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i}"
     graphs = runner.graphs
-    assert graphs.replays > 0
+    assert graphs.replays > 0 and not graphs.failed
     # Up to 6 sequences (max_num_seqs): 3 rows pad to 4, 5 to 6, the last bucket.
     assert graphs.batch_sizes == [1, 2, 4, 6]
     assert {rows for rows, _ in graphs.graphs} <= {1, 2, 4, 6}
@@ -156,3 +176,21 @@ def test_a_graph_that_does_not_capture_leaves_the_engine_eager() -> None:
     results = run_engine(engine, [Submission(f"r{i}", p, greedy) for i, p in enumerate(ps)])
     assert [results[(f"r{i}", 0)].token_ids for i in range(3)] == refs
     assert engine.runner.graphs is not None and engine.runner.graphs.failed
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_equals_the_gather_and_sdpa(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hkv, groups, d, bs, blocks, width = 3, 3, 64, 16, 40, 8
+    k = torch.randn(hkv, blocks, bs, d, device=device).to(dtype)
+    v = torch.randn(hkv, blocks, bs, d, device=device).to(dtype)
+    lens = torch.tensor([1, 16, 17, 50, 100, 128], device=device)
+    tables = torch.stack([torch.randperm(blocks, device=device)[:width] for _ in lens])
+    q = torch.randn(hkv * groups, len(lens), d, device=device)  # [H, B, D]
+    out = triton_attention.paged_decode(q.transpose(0, 1), k, v, tables, lens, 0.125)
+    key_pos = torch.arange(width * bs, device=device)
+    mask = (key_pos[None, :] < lens[:, None])[None, :, None, :]
+    ref = decode_rows(q, k, v, None, tables.reshape(-1), mask, 0.125)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)

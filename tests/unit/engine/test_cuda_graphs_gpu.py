@@ -37,18 +37,37 @@ def _serve(engine: LLMEngine, ps: list[list[int]]) -> list[list[int]]:
     return [results[(f"r{i}", 0)].token_ids for i in range(len(ps))]
 
 
-@pytest.mark.parametrize(("arch", "compile"), [("llama", False), ("qwen2", False), ("llama", True)])
-def test_float32_greedy_through_cuda_graphs_equals_generate(arch: str, compile: bool) -> None:
+@pytest.mark.parametrize(
+    ("arch", "attention", "compile"),
+    [
+        ("llama", "triton", False),
+        ("qwen2", "triton", False),
+        ("llama", "sdpa", False),
+        ("qwen2", "sdpa", False),
+        ("llama", "triton", True),
+        ("llama", "sdpa", True),
+    ],
+)
+def test_float32_greedy_through_cuda_graphs_equals_generate(
+    arch: str, attention: str, compile: bool
+) -> None:
     model = tiny_model(arch).cuda()
     ps = prompts()
     refs = [reference_greedy(model, p, 12) for p in ps]
     settings = engine_settings(
-        model, device="cuda", dtype="float32", compile=compile, max_num_seqs=6
+        model,
+        device="cuda",
+        dtype="float32",
+        compile=compile,
+        max_num_seqs=6,
+        cuda_attention=attention,
     )
     engine = LLMEngine(model, None, settings, "tiny")
-    assert engine.runner.graphs is not None
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.triton == (attention == "triton")
     assert _serve(engine, ps) == refs
-    assert engine.runner.graphs.replays > 0
+    # Every decode step replayed a graph (none failed to capture and fell back to eager).
+    assert graphs.replays > 0 and not graphs.failed
 
 
 def test_dtype_auto_serves_bfloat16_through_the_graphs() -> None:
@@ -58,7 +77,8 @@ def test_dtype_auto_serves_bfloat16_through_the_graphs() -> None:
     engine = LLMEngine(model.to("cuda", torch.bfloat16), None, settings, "tiny")
     assert engine.runner.kv_cache.data.dtype == torch.bfloat16
     outs = _serve(engine, prompts())
-    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.triton and graphs.replays > 0 and not graphs.failed
     assert all(len(o) == 12 and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
 
 

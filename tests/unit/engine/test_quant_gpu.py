@@ -45,7 +45,8 @@ def test_cuda_engine_greedy_equals_generate_of_the_format(quantization: str) -> 
     quant.quantize_model(model, "", EngineSettings(quantization=quantization, device="cuda"))
     prompts = [[5, 17, 3, 200, 9, 41, 8], [1, 2, 3], list(range(30, 70))]
     refs = [reference_greedy(model, p, 8) for p in prompts]
-    settings = engine_settings(model, device="cuda", quantization=quantization)
+    # A float32 model (dtype "auto" would be bfloat16 on CUDA, its KV cache with it).
+    settings = engine_settings(model, device="cuda", dtype="float32", quantization=quantization)
     engine = LLMEngine(model, None, settings, "tiny")
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     subs = [Submission(f"r{i}", p, greedy, arrive_at_step=i) for i, p in enumerate(prompts)]
