@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         STRAIT_STATE_DIR=str(tmp / "state"),
         STRAIT_GATEWAY__PORT=str(gw_port),
         STRAIT_TELEMETRY__LOG_JSON="false",
+        STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
+        STRAIT_SUPERVISOR__METRICS_PORT="0",
         PYTHONUNBUFFERED="1",
     )
     env.pop("DATABASE_URL", None)

@@ -580,6 +580,30 @@ class PlannerSettings(BaseModel):
         return self.pools.get(name, self.default)
 
 
+class SupervisorSettings(BaseModel):
+    """`strait up`'s supervisor (services/supervisor.py): how a child process that exits on its
+    own is restarted, as operators know it from systemd (``RestartSec``,
+    ``StartLimitBurst`` per ``StartLimitIntervalSec``) and Kubernetes (CrashLoopBackOff)."""
+
+    # The first restart of a crash streak is immediate; each next one waits restart_backoff_s,
+    # doubled every time, at most restart_backoff_max_s.
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    restart_backoff_max_s: float = Field(default=30.0, ge=0)
+    # A child that ran this long since its last start is healthy again: its next crash starts a
+    # new streak (restarted at once).
+    restart_reset_s: float = Field(default=60.0, gt=0)
+    # More than restart_limit exits within restart_window_s: that child is given up (not
+    # restarted, with a message naming these settings); the rest of the fleet keeps serving.
+    restart_limit: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=600.0, gt=0)
+    # /metrics of the supervisor (strait_supervisor_restarts_total, ..._given_up); 0: none. A
+    # port that is taken is skipped with a warning.
+    metrics_port: int = 9104
+    # First /metrics port of the workers it starts (one each, counting up past taken ones);
+    # 0: its workers get no /metrics listener (tests: no well-known port).
+    worker_metrics_base_port: int = 9200
+
+
 class ModelsSettings(BaseModel):
     # Where converted models live; ignored by git.
     dir: str = ".strait/models"
@@ -628,6 +652,7 @@ class Settings(BaseSettings):
     pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     state_dir: str = Field(
         default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
     )

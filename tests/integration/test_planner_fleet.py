@@ -102,6 +102,9 @@ def strait_up(tmp_path: Path, nats_url: str, config: str) -> Iterator[tuple[str,
         STRAIT_STATE_DIR=str(tmp_path / "state"),
         STRAIT_GATEWAY__PORT=str(free_port()),
         STRAIT_TELEMETRY__LOG_JSON="false",
+        # No well-known port (a `make run` fleet beside the tests holds them).
+        STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
+        STRAIT_SUPERVISOR__METRICS_PORT="0",
         PYTHONUNBUFFERED="1",
     )
     env.pop("DATABASE_URL", None)

@@ -46,7 +46,10 @@ class ProcessFleet:
             DATABASE_URL=f"sqlite+aiosqlite:///{self.tmp / 'strait.db'}",
             STRAIT_STATE_DIR=str(self.tmp / "state"),
             STRAIT_GATEWAY__PORT=str(self.gateway_port),
+            # No well-known port: a `make run` fleet beside the tests holds them.
             STRAIT_ROUTER__METRICS_PORT="0",
+            STRAIT_CACHE__METRICS_PORT="0",
+            STRAIT_PLANNER__METRICS_PORT="0",
             STRAIT_TELEMETRY__LOG_JSON="false",
             PYTHONUNBUFFERED="1",
         )

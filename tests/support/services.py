@@ -98,6 +98,11 @@ def isolated_settings(tmp_path: Path, nats_url: str) -> Settings:
     s.nats.kv_events_stream = f"{tag}_KV"
     s.nats.cache_events_stream = f"{tag}_CACHE_EVENTS"
     s.database.url = f"sqlite+aiosqlite:///{tmp_path / 'strait.db'}"
+    # No well-known port: a `make run` fleet beside the tests holds them.
     s.router.metrics_port = 0
     s.worker.metrics_port = 0
+    s.cache.metrics_port = 0
+    s.planner.metrics_port = 0
+    s.supervisor.metrics_port = 0
+    s.supervisor.worker_metrics_base_port = 0
     return s
