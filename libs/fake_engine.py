@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import FakeEngineSettings
-from libs.tools import ToolSpec
+from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec
 
 FAKE_VOCAB = 50_000
 _WORDS = (
@@ -95,13 +95,19 @@ class FakeBackend:
         sampling: SamplingParams,
         tools: ToolSpec | None = None,
     ) -> PreparedPrompt:
-        if sampling.structured is not None or (tools is not None and tools.forced):
+        if sampling.structured is not None:
             raise BackendError(
                 "invalid_request",
-                "the fake engine enforces no grammar: structured outputs and forced tool calls "
-                "need a model pool",
+                "the fake engine enforces no grammar: structured outputs need a model pool",
                 "response_format",
             )
+        # A forced call: the answer is that call with empty arguments (whatever its schema),
+        # carried as the prompt's "grammar" to ``generate``.
+        forced = None
+        if tools is not None and tools.forced:
+            name = tools.callable()[0].name
+            forced = f'{CALL_OPEN}{{"name": "{name}", "arguments": {{}}}}{CALL_CLOSE}'
+
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
             text = ""
@@ -117,7 +123,7 @@ class FakeBackend:
                 f"model's context ({self.max_model_len} tokens)",
                 "messages" if messages is not None else "prompt",
             )
-        return PreparedPrompt(token_ids=ids, text=text)
+        return PreparedPrompt(token_ids=ids, text=text, grammar=forced)
 
     def block_hashes(self, ids: list[int]) -> list[int]:
         out, parent = [], 0
@@ -165,6 +171,10 @@ class FakeBackend:
             n_prompt = len(prompt.token_ids)
             cached = self._touch_prefix(prompt.token_ids)
             await asyncio.sleep((n_prompt - cached) * self.settings.per_prompt_token_s)
+            if prompt.grammar is not None:
+                for i in range(sampling.n):
+                    yield GenerationChunk(i, prompt.grammar, [1], "stop", None, n_prompt, cached)
+                return
             rngs = [random.Random(f"{sampling.seed}:{i}:{n_prompt}") for i in range(sampling.n)]
             done = [False] * sampling.n
             for step in range(sampling.max_tokens):

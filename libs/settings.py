@@ -114,6 +114,13 @@ class GatewaySettings(BaseModel):
     max_pool_queue: int = 256
     # Run the ledger writer (JetStream usage events -> database) inside the gateway process.
     ledger_enabled: bool = True
+    # Keep /v1/responses answers (and their conversations) in the database for GET and
+    # previous_response_id when a request's `store` is true or unset (OpenAI's default);
+    # false: `store: true` is a 400.
+    store_responses: bool = True
+    # Messages a stored conversation may hold (instructions aside); a follow-up past it through
+    # previous_response_id is a 400 naming this setting.
+    response_history_max_messages: int = Field(default=256, ge=1)
 
 
 class SpeculativeSettings(BaseModel):

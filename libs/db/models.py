@@ -1,9 +1,10 @@
-"""Tables: ``api_keys`` (hashed secrets and limits) and ``requests`` (the ledger, one row per
-request: origin and id). Changing them needs a new revision in ``migrations/versions``."""
+"""Tables: ``api_keys`` (hashed secrets and limits), ``requests`` (the ledger, one row per
+request: origin and id) and ``responses`` (stored Responses API objects, per key). Changing them needs a new revision in ``migrations/versions``."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -63,3 +64,22 @@ class RequestRow(Base):
         Index("ix_requests_created_at", "created_at"),
         Index("ix_requests_team_created_at", "team", "created_at"),
     )
+
+
+class StoredResponse(Base):
+    """A response of ``POST /v1/responses`` kept for ``GET`` and ``previous_response_id``
+    (``store``), visible only to the API key that created it."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # None: the gateway's anonymous caller (auth off).
+    api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The Response object as returned.
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The conversation it ends, as chat messages (libs.protocol.ChatMessage, without the
+    # request's instructions, which a follow-up does not inherit), its own output last.
+    history: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_responses_api_key_id_created_at", "api_key_id", "created_at"),)

@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
-from libs.protocol import GenerateRequest, SamplingParams, UsageEvent
+from libs.db.responses import ResponseStore
+from libs.protocol import (
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    StreamMessage,
+    UsageEvent,
+)
 from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
@@ -43,6 +51,14 @@ from services.gateway.errors import ApiError, install_handlers
 from services.gateway.fleet import Fleet
 from services.gateway.keystore import DatabaseKeyStore
 from services.gateway.limits import RateLimiter
+from services.gateway.responses import (
+    ResponseCreate,
+    ResponseShape,
+    input_items,
+    new_response_id,
+    response_events,
+    whole_response,
+)
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 # Output tokens when the client sets no limit (OpenAI's completions default is 16; chat's is
@@ -91,13 +107,15 @@ def create_app(
         try:
             if isinstance(keys, DatabaseKeyStore):
                 await keys.start()
-            if g.ledger_enabled:
-                assert fleet.js is not None
+            if g.ledger_enabled or g.store_responses:
                 db = keys.db if isinstance(keys, DatabaseKeyStore) else Database(settings)
                 await db.migrate()
+            if g.ledger_enabled:
+                assert fleet.js is not None and db is not None
                 ledger = LedgerWriter(settings, fleet.js, db)
                 await ledger.start()
             app.state.ledger = ledger
+            app.state.responses = ResponseStore(db) if g.store_responses and db else None
             settle_heap(settings)
             yield
         finally:
@@ -115,6 +133,7 @@ def create_app(
     app.state.keys = keys
     app.state.inflight = 0
     app.state.ledger = None
+    app.state.responses = None
     app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
     app.state.cache = cache = ResponseCache(g)
     install_handlers(app)
@@ -247,17 +266,17 @@ def create_app(
             return SseResponse(replay_sse(shaper, hit), nothing, headers)
         return JSONResponse(hit, headers=headers)
 
-    async def submit(
+    async def begin(
         kind: Kind,
-        body: ChatCompletionRequest | CompletionRequest,
-        key: KeyInfo,
         req: GenerateRequest,
-    ) -> Response:
-        reserved = limiter.admit(key, estimate_tokens(req))
-        ck = cache_key(key.key_id, kind, body) if cache.enabled and is_deterministic(body) else None
-        hit = cache.get(ck) if ck else None
-        if hit is not None:
-            return await serve_hit(kind, hit, body.stream, body.include_usage, key, req, reserved)
+        key: KeyInfo,
+        reserved: int,
+        include_usage: bool = False,
+        aliases: dict[str, str] | None = None,
+        after_close: Callable[[CompletionRun], None] | None = None,
+    ) -> tuple[CompletionRun, StreamMessage]:
+        """Past the rate limits (``reserved`` tokens): backpressure, then submit the request
+        and wait for its first message. The run's close settles the reservation."""
         try:
             admit_capacity(req.model)
         except ApiError:
@@ -273,22 +292,41 @@ def create_app(
                 f.usage.total_tokens if f else (reserved if run.outcome.ttft_s is not None else 0)
             )
             limiter.settle(key, reserved, used)
-            out = run.response_body() if ck else None
-            if ck and out is not None:
-                cache.put(ck, out)
+            if after_close is not None:
+                after_close(run)
 
         app.state.inflight += 1
         metrics.INFLIGHT.set(app.state.inflight)
-        aliases = {"structured_outputs.json": "response_format"} if body.response_format else {}
         run = CompletionRun(
-            app.state.fleet, kind, req, key.key_id, body.include_usage, on_close, aliases
+            app.state.fleet, kind, req, key.key_id, include_usage, on_close, aliases
         )
-        headers = {"X-Strait-Cache": "miss" if ck else "bypass"}
         try:
             first = await run.start()
         except BaseException:
             await asyncio.shield(run.close())
             raise
+        return run, first
+
+    async def submit(
+        kind: Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        key: KeyInfo,
+        req: GenerateRequest,
+    ) -> Response:
+        reserved = limiter.admit(key, estimate_tokens(req))
+        ck = cache_key(key.key_id, kind, body) if cache.enabled and is_deterministic(body) else None
+        hit = cache.get(ck) if ck else None
+        if hit is not None:
+            return await serve_hit(kind, hit, body.stream, body.include_usage, key, req, reserved)
+
+        def fill_cache(run: CompletionRun) -> None:
+            out = run.response_body() if ck else None
+            if ck and out is not None:
+                cache.put(ck, out)
+
+        aliases = {"structured_outputs.json": "response_format"} if body.response_format else {}
+        run, first = await begin(kind, req, key, reserved, body.include_usage, aliases, fill_cache)
+        headers = {"X-Strait-Cache": "miss" if ck else "bypass"}
         if body.stream:
             return run.streaming_response(first, headers)
         out = await run.collect(first)
@@ -341,4 +379,136 @@ def create_app(
         )
         return await submit("text", body, key, req)
 
+    # ---------------------------------------------------------------- /v1/responses
+
+    def response_store() -> ResponseStore:
+        store: ResponseStore | None = app.state.responses
+        if store is None:
+            raise ApiError(
+                400,
+                "responses are not stored here (gateway.store_responses)",
+                "invalid_request",
+                "store",
+            )
+        return store
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponseCreate, key: KeyDep) -> Response:
+        store = body.store if body.store is not None else app.state.responses is not None
+        if store:
+            response_store()
+        history = []
+        if body.previous_response_id:
+            prev = await response_store().get(body.previous_response_id, key.key_id)
+            if prev is None:
+                raise ApiError(
+                    400,
+                    f"Previous response with id '{body.previous_response_id}' not found.",
+                    "previous_response_not_found",
+                    "previous_response_id",
+                )
+            history = [msgspec.convert(m, ChatMessage) for m in prev.history]
+        conversation = [*history, *body.input_messages()]
+        if len(conversation) > g.response_history_max_messages:
+            raise ApiError(
+                400,
+                f"the conversation has {len(conversation)} messages, over "
+                f"gateway.response_history_max_messages ({g.response_history_max_messages})",
+                "invalid_request",
+                "previous_response_id" if history else "input",
+            )
+        if not conversation:
+            raise ApiError(400, "input must not be empty", "invalid_request", "input")
+        instructions = [ChatMessage("system", body.instructions)] if body.instructions else []
+        tools, tool_choice, tool_name = body.wire_tools()
+        response_id = new_response_id()
+        req = GenerateRequest(
+            request_id=response_id,
+            model=body.model,
+            messages=[*instructions, *conversation],
+            sampling=SamplingParams(
+                max_tokens=body.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                structured=body.structured(),
+            ),
+            priority=body.priority,
+            api_key_id=key.key_id,
+            team=key.team,
+            user=body.user,
+            want_route=True,
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_name=tool_name,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+        )
+        shape = ResponseShape(body, response_id, body.model, store)
+        reserved = limiter.admit(key, estimate_tokens(req))
+        aliases = {"structured_outputs.json": "text.format"}
+        run, first = await begin("chat", req, key, reserved, False, aliases)
+        shape.body["model"] = run.shaper.model
+        headers = {"X-Request-Id": response_id}
+
+        async def keep() -> None:
+            if store and shape.body["status"] in ("completed", "incomplete"):
+                turn = [msgspec.to_builtins(m) for m in [*conversation, *shape.history_messages()]]
+                await response_store().put(response_id, key.key_id, shape.body, turn)
+
+        if body.stream:
+            filtered = bool(tools) and (tool_choice != "none" or tool_name is not None)
+
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    async for line in response_events(shape, run, first, filtered):
+                        yield line
+                    await keep()
+                finally:
+                    await asyncio.shield(run.close())
+
+            return SseResponse(events(), run.close, headers)
+        out = whole_response(shape, await run.collect(first))
+        await keep()
+        return JSONResponse(out, headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, key: KeyDep) -> dict[str, Any]:
+        row = await response_store().get(response_id, key.key_id)
+        if row is None:
+            raise response_not_found(response_id)
+        return row.body
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, key: KeyDep) -> dict[str, Any]:
+        row = await response_store().get(response_id, key.key_id)
+        if row is None:
+            raise response_not_found(response_id)
+        items = input_items(row.history[:-1])
+        return {
+            "object": "list",
+            "data": items[::-1],  # OpenAI's default order: newest first
+            "first_id": items[-1]["id"] if items else None,
+            "last_id": items[0]["id"] if items else None,
+            "has_more": False,
+        }
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, key: KeyDep) -> dict[str, Any]:
+        if not await response_store().delete(response_id, key.key_id):
+            raise response_not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, key: KeyDep) -> dict[str, Any]:
+        row = await response_store().get(response_id, key.key_id)
+        if row is None:
+            raise response_not_found(response_id)
+        # Every response here ran in the foreground (background is refused): OpenAI's answer.
+        raise ApiError(
+            400, "Only background responses can be cancelled.", "invalid_request", "response_id"
+        )
+
     return app
+
+
+def response_not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"No response found with id '{response_id}'.", "not_found", "response_id")

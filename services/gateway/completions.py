@@ -519,6 +519,23 @@ class CompletionRun:
             self.sse(first), self.close, {"X-Request-Id": self.req.request_id, **headers}
         )
 
+    async def deltas(self, first: StreamMessage) -> AsyncIterator[TokenDelta]:
+        """The request's token deltas to its end (``outcome.finished`` set); an error on the
+        stream raises ``ApiError``. For shapes other than chat's (``responses.py``); the caller
+        closes the run."""
+        msg = first
+        while True:
+            if isinstance(msg, TokenDelta):
+                self._on_delta(msg)
+                yield msg
+            elif isinstance(msg, Finished):
+                self.outcome.finished = msg
+                return
+            elif isinstance(msg, ErrorMessage):
+                await self.fail(msg.code, msg.message)
+                raise ApiError.from_stream(msg)
+            msg = await self.next_message()
+
     # ---------------------------------------------------------------- whole response
 
     async def collect(self, first: StreamMessage) -> dict[str, Any]:

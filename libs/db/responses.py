@@ -1,0 +1,60 @@
+"""Stored responses (``POST /v1/responses`` with ``store``): put, get and delete by id, each
+scoped to the API key that created the response (another key's id reads as absent)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from libs.db import Database
+from libs.db.models import StoredResponse
+
+
+def _owned(response_id: str, api_key_id: str | None) -> list[ColumnElement[bool]]:
+    key = (
+        StoredResponse.api_key_id.is_(None)
+        if api_key_id is None
+        else StoredResponse.api_key_id == api_key_id
+    )
+    return [StoredResponse.id == response_id, key]
+
+
+class ResponseStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def put(
+        self,
+        response_id: str,
+        api_key_id: str | None,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+    ) -> None:
+        """Insert or replace (a background response is put when it starts and when it ends)."""
+        async with self.db.session() as s, s.begin():
+            row = await s.get(StoredResponse, response_id)
+            if row is None:
+                s.add(
+                    StoredResponse(
+                        id=response_id,
+                        api_key_id=api_key_id,
+                        created_at=datetime.now(UTC),
+                        body=body,
+                        history=history,
+                    )
+                )
+            elif row.api_key_id == api_key_id:
+                row.body, row.history = body, history
+
+    async def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
+        async with self.db.session() as s:
+            q = select(StoredResponse).where(*_owned(response_id, api_key_id))
+            return (await s.execute(q)).scalar_one_or_none()
+
+    async def delete(self, response_id: str, api_key_id: str | None) -> bool:
+        async with self.db.session() as s, s.begin():
+            r = await s.execute(delete(StoredResponse).where(*_owned(response_id, api_key_id)))
+            return bool(getattr(r, "rowcount", 0))
