@@ -20,13 +20,13 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ "$PY" = python3 ]; then
     export PYTHONPATH=/tmp/site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.draw \
-    --format=csv 2>/dev/null
+    --format=csv 2>/dev/null | tee "$OUT/nvidia-smi.txt"
 $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 echo "== pytest -m gpu"
-timeout 150 $PY -m pytest -m gpu tests/unit/engine/test_cuda_graphs_gpu.py tests/unit/engine/test_quant_gpu.py -q -p no:cacheprovider -o addopts="" -ra \
+timeout 100 $PY -m pytest -m gpu tests/unit/engine/test_cuda_graphs_gpu.py tests/unit/engine/test_quant_gpu.py -q -p no:cacheprovider -o addopts="" -ra \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 echo "== bench.gpu_step"
 MODEL=(--model-dir .gpu/smollm2 --random-weights)
 [[ " $* " == *" --tiny "* ]] && MODEL=()
-timeout 330 $PY -m bench.gpu_step "${MODEL[@]}" --out "$OUT/gpu_step.json" "$@" \
+timeout 380 $PY -m bench.gpu_step "${MODEL[@]}" --out "$OUT/gpu_step.json" "$@" \
     2>&1 | grep -v -i "warn" | tee "$OUT/gpu_step.log"

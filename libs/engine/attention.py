@@ -97,10 +97,11 @@ class AttentionMetadata:
     # Every packed token is a decode token, in order (the decode graphs' steps): the queries
     # need no gather and the outputs no scatter (two kernels a layer fewer).
     decode_all: bool = False
-    # With decode_all, Triton's paged kernel instead of the gather + SDPA (the decode graphs
-    # on CUDA, engine.cuda_attention): each row's blocks and context length, no mask.
-    decode_tables: torch.Tensor | None = None  # [B, max_blocks] long
-    decode_context_lens: torch.Tensor | None = None  # [B] long
+    # With Triton's paged kernel (CUDA, engine.cuda_attention): every token is one query row
+    # over its sequence's blocks, seeing keys 0..p at position p, so decode tokens and prefill
+    # chunks are the same case (as with the CPU kernels); no prefill segments, no masks.
+    row_tables: torch.Tensor | None = None  # [T, max_blocks] long: the token's sequence's
+    row_lens: torch.Tensor | None = None  # [T] long: position + 1 (keys the row sees)
     # With Strait's CPU kernels (libs/engine/kernels): every token is one query row.
     kernels: Any = None  # the compiled module, or None for torch's kernels
     block_tables: torch.Tensor | None = None  # [T, max_blocks] long: the token's sequence's
@@ -142,9 +143,9 @@ def paged_attention(
             out = meta.kernels.paged_attention(*args)
         return out.unsqueeze(0), None
 
-    if meta.decode_context_lens is not None:
-        # A decode graph's step with Triton's paged kernel (libs/engine/triton_attention.py).
-        assert meta.decode_tables is not None
+    if meta.row_lens is not None:
+        # Triton's paged kernel, every token a row (libs/engine/triton_attention.py).
+        assert meta.row_tables is not None
         args = (
             query[0],
             key[0],
@@ -152,8 +153,8 @@ def paged_attention(
             meta.cache.data,
             module.layer_idx,
             meta.slot_mapping,
-            meta.decode_tables,
-            meta.decode_context_lens,
+            meta.row_tables,
+            meta.row_lens,
             scale,
         )
         if torch.compiler.is_compiling():  # one opaque op, as below
@@ -323,18 +324,19 @@ def register() -> None:
 
 @torch.library.custom_op("strait_torch::paged_decode_triton", mutates_args=("kv",))
 def paged_decode_triton(
-    query: torch.Tensor,  # [H, T, D], every token a decode token, in order
+    query: torch.Tensor,  # [H, T, D]
     key: torch.Tensor,  # [Hkv, T, D]
     value: torch.Tensor,
     kv: torch.Tensor,  # the whole cache: [layers, 2, Hkv, num_blocks, block_size, D]
     layer: int,
     slot_mapping: torch.Tensor,  # [T]
-    tables: torch.Tensor,  # [T, max_blocks]
-    lens: torch.Tensor,  # [T]
+    tables: torch.Tensor,  # [T, max_blocks]: each token's sequence's blocks
+    lens: torch.Tensor,  # [T]: each token's position + 1
     scale: float,
 ) -> torch.Tensor:
-    """:func:`write_kv`, then Triton's paged decode kernel over each row's own blocks; returns
-    ``[T, H, D]`` in the query's dtype."""
+    """:func:`write_kv` (every token of the step), then Triton's paged kernel with every token
+    one query row over its own sequence's blocks; returns ``[T, H, D]`` in the query's
+    dtype."""
     from libs.engine import triton_attention
 
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]

@@ -256,8 +256,8 @@ class DecodeGraphs:
                     slot_mapping=slots,
                     decode_token_idx=token_idx,
                     decode_all=True,
-                    decode_tables=tables,
-                    decode_context_lens=lens,
+                    row_tables=tables,
+                    row_lens=lens,
                 )
                 return self._logits(ids, pos, meta)
             block_ids.copy_(inputs[4 * rows :])

@@ -199,6 +199,16 @@ class ModelRunner:
         # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
         # attention (the linears and the arg-max still use the kernels).
         self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
+        # Triton's paged kernel for every step's attention (engine.cuda_attention), else torch's
+        # gather + SDPA; the CPU kernels take precedence where they serve.
+        self.row_attention = not self.kernel_attention and (
+            settings.cuda_attention == "triton"
+            or (
+                settings.cuda_attention == "auto"
+                and self.device.type == "cuda"
+                and triton_attention.supports(self.shape.head_dim)
+            )
+        )
         if graph_capture is None and self.device.type == "cuda" and settings.cuda_graphs:
             graph_capture = cuda_capture()
         if self.kernel_attention:
@@ -258,7 +268,11 @@ class ModelRunner:
             self.block_size,
             settings.kv_dtype,
             self.kv_cache.data.numel() * self.kv_cache.data.element_size() / 2**20,
-            "Strait's paged" if self.kernel_attention else "torch's",
+            "Strait's paged"
+            if self.kernel_attention
+            else "Strait's Triton paged"
+            if self.row_attention
+            else "torch's",
         )
 
     def _decode_graphs(self, settings: EngineSettings, capture: Capture) -> DecodeGraphs:
@@ -277,11 +291,7 @@ class ModelRunner:
         n_max = settings.max_num_seqs
         sizes = sorted(n for n in settings.cuda_graph_batch_sizes if n < n_max)
         sizes.append(batch_bucket(n_max, sorted(settings.cuda_graph_batch_sizes)) or n_max)
-        use_triton = settings.cuda_attention == "triton" or (
-            settings.cuda_attention == "auto"
-            and self.device.type == "cuda"
-            and triton_attention.supports(self.shape.head_dim)
-        )
+        use_triton = self.row_attention
         graphs = DecodeGraphs(
             forward,
             self.kv_cache,
@@ -360,6 +370,13 @@ class ModelRunner:
             meta.kernels = self.kernels
             meta.block_tables = padded[token_entry] if len(token_entry) > len(tables) else padded
             meta.context_lens = torch.tensor(positions) + 1
+        elif self.row_attention:
+            # Triton's kernel on CUDA: every token one query row over its sequence's blocks.
+            width = max(len(t) for t in tables)
+            padded = torch.tensor(pad_tables(tables, width))
+            rows = padded[token_entry] if len(token_entry) > len(tables) else padded
+            meta.row_tables = rows.to(self.device)
+            meta.row_lens = torch.tensor(positions, device=self.device) + 1
         else:
             self._torch_attention_metadata(meta, positions, tables, token_entry)
 

@@ -82,13 +82,17 @@ def test_dtype_auto_serves_bfloat16_through_the_graphs() -> None:
     assert all(len(o) == 12 and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
 
 
-def test_graphs_off_runs_eager() -> None:
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_graphs_off_runs_eager(attention: str) -> None:
     model = tiny_model("llama").cuda()
-    ps = prompts()[:3]
+    ps = prompts()
     refs = [reference_greedy(model, p, 12) for p in ps]
-    settings = engine_settings(model, device="cuda", dtype="float32", cuda_graphs=False)
+    settings = engine_settings(
+        model, device="cuda", dtype="float32", cuda_graphs=False, cuda_attention=attention
+    )
     engine = LLMEngine(model, None, settings, "tiny")
     assert engine.runner.graphs is None
+    assert engine.runner.row_attention == (attention == "triton")
     assert _serve(engine, ps) == refs
 
 
