@@ -8,6 +8,8 @@ arrival rates) always see the same prompts.
 Workloads:
 
 - ``chat``: short everyday questions, short answers (32-128 output tokens).
+- ``chat-60w``: the same questions after a few sentences of the asker's background, about 60
+  words a prompt (what a chat user types; the tail-latency sitting's workload), 32-128 tokens.
 - ``shared-prefix``: a long common system prompt (a company handbook of ``prefix_words`` words,
   the same for every request of a seed) followed by a varied question about it - the RAG-like
   shape that a prefix cache should speed up; short answers (32-96 tokens).
@@ -22,8 +24,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-WORKLOADS: tuple[str, ...] = ("chat", "shared-prefix", "code", "mixed")
+WORKLOADS: tuple[str, ...] = ("chat", "chat-60w", "shared-prefix", "code", "mixed")
 DEFAULT_PREFIX_WORDS = 600
+CHAT_BACKGROUND_WORDS = 60  # chat-60w: words of a prompt, background and question together
 _MIXED_WEIGHTS: tuple[tuple[str, float], ...] = (
     ("chat", 0.5),
     ("shared-prefix", 0.3),
@@ -330,6 +333,25 @@ class _Handbook:
     questions: tuple[str, ...]
 
 
+def _chat_with_background(rng: random.Random, words: int = CHAT_BACKGROUND_WORDS) -> str:
+    """A chat question after sentences about the asker, ``words`` words or a few more."""
+    question = _chat_question(rng)
+    sentences = [
+        lambda: f"My name is {_person(rng)} and I live in {rng.choice(_CITIES)}.",
+        lambda: f"I work on the {rng.choice(_TEAMS)} team of a company of about "
+        f"{rng.randint(20, 900)} people.",
+        lambda: f"Last month I spent a weekend on {rng.choice(_ACTIVITIES)} and it went "
+        f"{rng.choice(('well', 'badly', 'better than expected'))}.",
+        lambda: f"A colleague told me to read about {rng.choice(_CONCEPTS)} first.",
+        lambda: f"I tried to {rng.choice(_TASKS)} before, without much success.",
+        lambda: rng.choice([c for c in _CONTEXTS if c]),
+    ]
+    background: list[str] = []
+    while len(" ".join([*background, question]).split()) < words:
+        background.append(rng.choice(sentences)())
+    return " ".join([*background, question])
+
+
 def _person(rng: random.Random) -> str:
     return f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}"
 
@@ -443,6 +465,8 @@ def generate(
         system: str | None = None
         if kind == "chat":
             user, sampled = _chat_question(rng), rng.randint(32, 128)
+        elif kind == "chat-60w":
+            user, sampled = _chat_with_background(rng), rng.randint(32, 128)
         elif kind == "shared-prefix":
             if handbook is None:
                 handbook = build_handbook(seed, prefix_words)

@@ -177,6 +177,8 @@ class PoolSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     # This pool's engine.speculative (None: engine's).
     speculative: SpeculativeSettings | None = None
+    # This pool's engine.itl_target_ms (None: engine's).
+    itl_target_ms: float | None = None
 
 
 class ClassifierSettings(BaseModel):
@@ -327,6 +329,13 @@ class EngineSettings(BaseModel):
     max_model_len: int = 2048
     # Prefill chunk (tokens of one prompt per step); 0: the whole batched-token budget.
     prefill_chunk_tokens: int = 256
+    # Inter-token target of one step, ms: each step carries only as many prompt tokens as keep
+    # its predicted time (libs/engine/step_cost.py: fixed + per decode row + per prompt token,
+    # fitted as the worker runs) under it, so a long prompt never stalls the streams beside
+    # it. 0: off (prefill_chunk_tokens a step). A pool's own `itl_target_ms` replaces it.
+    itl_target_ms: float = Field(default=0.0, ge=0)
+    # Prompt tokens a step computes while prompts wait, whatever the target (TTFT's floor).
+    min_prefill_tokens: int = Field(default=16, ge=1)
     enable_prefix_caching: bool = True
     # torch's threads in an engine process. 0: torch's default (every core); -1: every core
     # but one, for a worker that shares its machine with the rest of the fleet (its event
@@ -689,7 +698,7 @@ class Settings(BaseSettings):
 
     def engine_for(self, pool: PoolSettings) -> EngineSettings:
         """``engine`` with the pool's own weight-format and speculation overrides applied."""
-        fields = ("quantization", "dtype", "kv_cache_dtype", "speculative")
+        fields = ("quantization", "dtype", "kv_cache_dtype", "speculative", "itl_target_ms")
         update = {f: getattr(pool, f) for f in fields if getattr(pool, f) is not None}
         return self.engine.model_copy(update=update) if update else self.engine
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from libs.backend import BackendError, GenerationChunk, Resume
+from libs.engine import metrics
 from libs.engine.block_pool import BlockPool
 from libs.engine.cuda_graphs import Capture
 from libs.engine.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -34,6 +35,7 @@ from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
 from libs.engine.spec import make_speculator
+from libs.engine.step_cost import StepCostModel
 from libs.engine.structured import Grammars
 from libs.log import fields
 from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
@@ -93,7 +95,10 @@ class LLMEngine:
             self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching
         )
         self.kv = KvManager(self.pool, model_id)
-        self.scheduler = Scheduler(settings, self.kv)
+        # What a step costs (fitted on every step): the scheduler's prompt allowance under
+        # engine.itl_target_ms, and speculation's break-even.
+        self.step_cost = StepCostModel()
+        self.scheduler = Scheduler(settings, self.kv, self.step_cost)
         kernels = self.runner.kernels
         self.sampler = Sampler(
             seed,
@@ -114,6 +119,8 @@ class LLMEngine:
         self.speculator = make_speculator(
             settings, model_id, self.max_model_len, self.runner.shape.vocab_size, draft_model
         )
+        if self.speculator is not None:
+            self.speculator.cost = self.step_cost.decode
         self.last_step_decode_only = False
         self.num_steps = 0
         # Resumed sequences whose given first token is reported by the next step.
@@ -280,10 +287,21 @@ class LLMEngine:
         self.last_step_decode_only = all(i.num_new_tokens == 1 for i in sched.scheduled)
         started = time.perf_counter()
         logits = self.runner.execute(sched.scheduled)  # [S, vocab]
-        if self.speculator is not None and self.last_step_decode_only:
-            self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         self.num_steps += 1
-        return self._update(sched, logits, resumed)
+        outputs = self._update(sched, logits, resumed)
+        # The whole step (forward, sampling, the device's sync): what a stream waits for.
+        self._observe(sched, time.perf_counter() - started)
+        return outputs
+
+    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens, seconds)
+        target = self.scheduler.itl_target_s
+        if target > 0 and seconds > target:
+            if sched.budget is None:
+                reason = "unfitted"  # the cost model has not seen enough steps yet
+            else:
+                reason = sched.budget.over_target or "mispredicted"
+            metrics.STEPS_OVER_TARGET.labels(reason=reason).inc()
 
     def _update(
         self, sched: SchedulerOutput, logits: torch.Tensor, resumed: list[Sequence]

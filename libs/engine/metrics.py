@@ -17,6 +17,15 @@ STEP = Histogram(
     buckets=STEP_BUCKETS,
 )
 
+STEPS_OVER_TARGET = Counter(
+    "strait_engine_steps_over_target_total",
+    "Steps that took longer than engine.itl_target_ms, by why: decode_rows (the decode rows "
+    "alone were predicted over it: the worker is saturated), prefill_floor (the floor of "
+    "min_prefill_tokens took it over), mispredicted (predicted under it), unfitted (before "
+    "the step-cost model had seen enough steps)",
+    ["reason"],
+)
+
 GRAMMAR_COMPILE = Histogram(
     "strait_grammar_compile_seconds",
     "Turning a request's constraint into a validated grammar (worker thread, before queueing)",

@@ -7,6 +7,10 @@ queues. Policy:
 - running sequences are served first, in that order: a decoding one gets 1 token, a
   prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
   ``max_num_batched_tokens``;
+- with an inter-token target (``engine.itl_target_ms``), the step's prompt tokens (chunks of
+  running and newly admitted sequences together) are further capped so that the step's
+  predicted time stays under it (``StepCostModel.prefill_budget``: decode rows first, prompts
+  get the rest of the target, at least ``min_prefill_tokens``);
 - when blocks run out, the last sequence in that order is preempted (blocks freed, put back to
   waiting; it is recomputed later, keeping the tokens it already produced);
 - waiting sequences are then admitted in order while the budget, ``max_num_seqs`` and free
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from libs.engine.kv_manager import KvManager
 from libs.engine.sequence import SeqStatus, Sequence
+from libs.engine.step_cost import PrefillBudget, StepCostModel
 from libs.settings import EngineSettings
 
 
@@ -46,6 +51,17 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # The prompt-token allowance under the inter-token target (None: no target, or no fit yet).
+    budget: PrefillBudget | None = None
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Decoding sequences and their proposals (the step-cost model's ``rows``)."""
+        return sum(1 + len(s.spec) for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,11 +73,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, kv: KvManager) -> None:
+    def __init__(
+        self, settings: EngineSettings, kv: KvManager, cost: StepCostModel | None = None
+    ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
         self.chunk = settings.prefill_chunk_tokens or settings.max_num_batched_tokens
+        self.itl_target_s = settings.itl_target_ms / 1000
+        self.min_prefill_tokens = settings.min_prefill_tokens
+        self.cost = cost if cost is not None else StepCostModel()
         # Heap of (sort key, seq); aborted entries are skipped lazily (status FINISHED).
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []
         self.running: list[Sequence] = []
@@ -113,12 +134,19 @@ class Scheduler:
         self.running.sort(key=Sequence.sort_key)
         self._make_room_for_interactive(out)
         budget = self.max_num_batched_tokens
+        prompt_left = self._prompt_allowance(out)
 
         out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, self.chunk, budget)
+            if seq.num_uncomputed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
+                n = min(n, prompt_left)
+                if n == 0:
+                    i += 1  # its chunk waits for a step with room; decode rows go on
+                    continue
+                prompt_left -= n
             # A decoding sequence's proposals ride along while the budget and free blocks allow;
             # they are dropped before anyone is preempted for them.
             spec = seq.spec_tokens[: budget - 1] if seq.num_uncomputed_tokens == 1 else []
@@ -140,7 +168,9 @@ class Scheduler:
                 break
             hits = self.kv.find_prefix(new)
             cached = len(hits) * self.kv.block_size
-            n = min(new.num_tokens - cached, self.chunk, budget)
+            n = min(new.num_tokens - cached, self.chunk, budget, prompt_left)
+            if n <= 0:
+                break
             if not self.kv.can_admit(hits, cached + n):
                 break
             heapq.heappop(self._waiting)
@@ -151,7 +181,23 @@ class Scheduler:
             self.running.append(new)
             out.scheduled.append(ScheduledSeq(new, n))
             budget -= n
+            prompt_left -= n
         return out
+
+    def _prompt_allowance(self, out: SchedulerOutput) -> int:
+        """Prompt tokens this step may carry: all of the budget without a target (or before
+        the cost model has seen enough steps), else what the target leaves after the decode
+        rows (``out.budget`` says how it was decided)."""
+        if self.itl_target_s <= 0:
+            return self.max_num_batched_tokens
+        rows = sum(1 + len(s.spec_tokens) for s in self.running if s.num_uncomputed_tokens == 1)
+        out.budget = self.cost.prefill_budget(
+            self.itl_target_s,
+            rows,
+            self.min_prefill_tokens,
+            max(self.max_num_batched_tokens - rows, 0),
+        )
+        return self.max_num_batched_tokens if out.budget is None else out.budget.tokens
 
     def _make_room_for_interactive(self, out: SchedulerOutput) -> None:
         """Preempt running batch-class work while an interactive arrival cannot get in."""

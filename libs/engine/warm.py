@@ -38,6 +38,9 @@ UNSHAPING = {
     "kv_cache_memory_fraction",
     "speculative",
     "compile_dir",
+    # Scheduling: how many tokens a step carries, not the graphs that run them.
+    "itl_target_ms",
+    "min_prefill_tokens",
     # CUDA only: they shape no CPU graph.
     "cuda_graphs",
     "cuda_graph_batch_sizes",

@@ -27,6 +27,7 @@ from libs.engine.sequence import Sequence
 from libs.engine.spec.ngram import NgramIndex
 from libs.engine.spec.prediction import PredictionIndex
 from libs.engine.spec.suffix import SuffixCache
+from libs.engine.step_cost import StepCost
 from libs.settings import EngineSettings, SpeculativeSettings
 
 
@@ -105,48 +106,6 @@ class PredictionProposer:
 
 
 RATE_WEIGHT = 0.05  # weight of one verification in the worker's acceptance rate
-STEP_COST_DECAY = 0.99  # weight of a step in the cost fit, per later step
-STEP_COST_MIN_STEPS = 16  # decode steps before the fit is used
-
-
-class StepCost:
-    """The engine's decode forward time as ``a + b * rows`` (seconds; rows = decoding sequences
-    plus their proposals), fitted by exponentially weighted least squares over recent decode
-    steps. Speculation pays for a sequence when its acceptance rate exceeds
-    ``b * B / (a + b * B)`` with ``B`` sequences decoding: each proposal costs ``b``, and each
-    kept one is a token the batch got without a step."""
-
-    def __init__(self) -> None:
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.steps = 0
-
-    def add(self, rows: int, seconds: float) -> None:
-        d = STEP_COST_DECAY
-        self.n = d * self.n + 1
-        self.sx = d * self.sx + rows
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + rows * rows
-        self.sxy = d * self.sxy + rows * seconds
-        self.steps += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before enough decode steps of at least two sizes."""
-        var = self.n * self.sxx - self.sx * self.sx
-        if self.steps < STEP_COST_MIN_STEPS or var <= 1e-9 * self.n * self.n:
-            return None
-        b = (self.n * self.sxy - self.sx * self.sy) / var
-        a = (self.sy - b * self.sx) / self.n
-        return a, b
-
-    def break_even(self, batch: int) -> float:
-        """Acceptance rate above which proposing pays with ``batch`` sequences decoding."""
-        ab = self.fit()
-        if ab is None or batch <= 0:
-            return 0.0
-        a, b = ab
-        if b <= 0:
-            return 0.0
-        return b * batch / (max(a, 0.0) + b * batch)  # > 0: b > 0 and batch > 0
 
 
 class Speculator:
@@ -171,6 +130,7 @@ class Speculator:
         self._length = metrics.SPEC_ACCEPTED_LENGTH.labels(**labels)
         self.num_proposed = 0
         self.num_accepted = 0
+        # The decode step-cost fit; the engine shares its own (StepCostModel.decode) with it.
         self.cost = StepCost()
         # Acceptance rate over the worker's recent verifications (EMA): a new sequence's prior.
         self.rate = 1.0

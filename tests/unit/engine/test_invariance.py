@@ -247,3 +247,39 @@ def test_prompt_too_long_for_context_or_cache_is_refused() -> None:
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(BackendError):
         engine.add_request("y", [1] * 30, SamplingParams(max_tokens=10))  # > 8 blocks of 4
+
+
+def test_greedy_matches_generate_under_an_inter_token_target() -> None:
+    """engine.itl_target_ms splits prompts into the few tokens a step has room for (here a
+    fitted cost that leaves 3 prompt tokens a step beside the decode rows): same answers."""
+    from libs.engine.step_cost import STEP_COST_MIN_STEPS, StepCostModel
+
+    model = tiny_model("llama", seed=2)
+    ps = prompts(2)
+    refs = [reference_greedy(model, p, MAX_NEW) for p in ps]
+    settings = engine_settings(model, itl_target_ms=20.0, min_prefill_tokens=2)
+    engine = LLMEngine(model, None, settings, "tiny")  # type: ignore[arg-type]
+    cost = StepCostModel()
+    for i in range(STEP_COST_MIN_STEPS):  # 10 ms + 1 ms a decode row, 1 ms a prompt token
+        cost.observe(1 + i % 8, 0, 0.010 + 0.001 * (1 + i % 8))
+    for p in (8, 16, 32, 64):
+        cost.observe(1, p, 0.011 + 0.001 * p)
+    engine.scheduler.cost = engine.step_cost = cost
+    engine.step_cost.observe = lambda *a: None  # type: ignore[method-assign]  # keep the fit
+    steps: list[tuple[int, int]] = []  # (prompt tokens carried, allowance) of each step
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # type: ignore[no-untyped-def]
+        out = schedule()
+        assert out.budget is not None
+        steps.append((out.num_prefill_tokens, out.budget.tokens))
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    subs = [Submission(f"r{i}", p, greedy, arrive_at_step=i) for i, p in enumerate(ps)]
+    res = run_engine(engine, subs)
+    for i in range(len(ps)):
+        assert res[(f"r{i}", 0)].token_ids == refs[i], i
+    assert all(carried <= allowed for carried, allowed in steps), steps
+    assert min(allowed for _, allowed in steps) < settings.prefill_chunk_tokens  # it did bite

@@ -8,6 +8,7 @@ from libs.engine.block_pool import BlockPool
 from libs.engine.kv_manager import KvManager
 from libs.engine.scheduler import Scheduler
 from libs.engine.sequence import SeqStatus, Sequence
+from libs.engine.step_cost import STEP_COST_MIN_STEPS, PrefillBudget, StepCostModel
 from libs.protocol import Priority, SamplingParams
 from libs.settings import EngineSettings
 
@@ -110,3 +111,59 @@ def test_interactive_arrival_preempts_running_batch_work() -> None:
     got = run(s)
     assert "urgent" in got and "bulk" not in got
     assert bulk.status is SeqStatus.WAITING and bulk.num_preemptions == 1
+
+
+def fitted(a: float, b: float, c: float) -> StepCostModel:
+    """A step-cost model that has seen decode steps of 1..8 rows and mixed steps, all exactly
+    ``a + b * rows + c * prompt_tokens`` seconds."""
+    cost = StepCostModel()
+    for i in range(STEP_COST_MIN_STEPS):
+        rows = 1 + i % 8
+        cost.observe(rows, 0, a + b * rows)
+    for p in (16, 32, 64, 128):
+        cost.observe(2, p, a + b * 2 + c * p)
+    return cost
+
+
+def test_the_step_cost_model_recovers_its_costs_and_budgets_prompt_tokens() -> None:
+    cost = fitted(0.010, 0.001, 0.0005)
+    ab = cost.decode.fit()
+    assert ab is not None and ab[0] == pytest.approx(0.010) and ab[1] == pytest.approx(0.001)
+    assert cost.per_prefill_token == pytest.approx(0.0005)
+    # 40 ms target, 10 decode rows: 20 ms of decode, 20 ms of prompt at 0.5 ms a token.
+    assert cost.prefill_budget(0.040, 10, 4, 500) == PrefillBudget(40)
+    assert cost.prefill_budget(0.040, 10, 4, 25) == PrefillBudget(25)  # the ceiling
+    assert cost.prefill_budget(0.021, 10, 4, 500) == PrefillBudget(4, "prefill_floor")
+    assert cost.prefill_budget(0.015, 10, 4, 500) == PrefillBudget(4, "decode_rows")
+    assert StepCostModel().prefill_budget(0.040, 10, 4, 500) is None  # nothing seen yet
+
+
+def test_an_itl_target_caps_each_steps_prompt_tokens_and_decode_rows_go_on() -> None:
+    s = make(
+        max_num_batched_tokens=64, prefill_chunk_tokens=64, itl_target_ms=40, min_prefill_tokens=4
+    )
+    s.cost = fitted(0.010, 0.001, 0.0005)
+    for rid in "ab":
+        s.add(seq(rid, 2))
+    assert run(s) == {"a": 2, "b": 2}  # 0 decode rows: 60 ms of room, 60 tokens allowed
+    s.add(seq("long", 100, first=50))
+    # Two decode rows (12 ms): 28 ms = 56 prompt tokens; then 56 again; the rest after.
+    assert run(s) == {"a": 1, "b": 1, "long": 56}
+    assert run(s) == {"a": 1, "b": 1, "long": 44}
+    assert run(s) == {"a": 1, "b": 1, "long": 1}
+    # A target the decode rows alone exceed: prompts still move, by the floor.
+    s.itl_target_s = 0.005
+    s.add(seq("late", 20, first=300))
+    out = s.schedule()
+    assert {i.seq.request_id: i.num_new_tokens for i in out.scheduled}["late"] == 4
+    assert out.budget == PrefillBudget(4, "decode_rows")
+
+
+def test_without_a_target_or_a_fit_the_fixed_chunks_apply() -> None:
+    s = make(max_num_batched_tokens=64, prefill_chunk_tokens=32, itl_target_ms=40)
+    s.add(seq("long", 100))
+    assert run(s) == {"long": 32}  # no fit yet: the chunk
+    off = make(max_num_batched_tokens=64, prefill_chunk_tokens=32)
+    off.cost = fitted(0.010, 0.001, 0.0005)
+    off.add(seq("long", 100))
+    assert run(off) == {"long": 32}  # no target: the chunk, whatever the fit

@@ -516,7 +516,7 @@ def test_draft_model_must_share_the_vocabulary() -> None:
 
 
 def test_step_cost_fit_and_break_even_gate() -> None:
-    from libs.engine.spec import STEP_COST_MIN_STEPS, StepCost
+    from libs.engine.step_cost import STEP_COST_MIN_STEPS, StepCost
 
     cost = StepCost()
     assert cost.break_even(8) == 0.0  # no fit yet: nothing is held back
@@ -647,7 +647,7 @@ def test_allocation_runs_proposals_while_they_lift_the_batchs_tokens_per_second(
 
 
 def test_once_the_step_cost_is_fitted_proposals_are_cut_to_the_allocation() -> None:
-    from libs.engine.spec import STEP_COST_MIN_STEPS
+    from libs.engine.step_cost import STEP_COST_MIN_STEPS
 
     sp = ngram_speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=8), 256)
     for i in range(STEP_COST_MIN_STEPS):

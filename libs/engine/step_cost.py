@@ -1,0 +1,122 @@
+"""What a step costs, fitted as the engine runs, and the prefill budget it implies.
+
+The engine times every forward and calls :meth:`StepCostModel.observe`; the scheduler asks
+:meth:`StepCostModel.prefill_budget` how many prompt tokens the next step may carry so that it
+stays under the pool's inter-token target (``engine.itl_target_ms``); speculation asks the
+decode fit when proposing pays (``libs.engine.spec``).
+
+Model, in seconds: ``a + b * rows + c * prefill_tokens``, where ``rows`` are the step's decode
+rows (decoding sequences plus their proposals). ``(a, b)`` is an exponentially weighted least
+squares fit over decode-only steps (:class:`StepCost`); ``c`` is an exponentially weighted
+mean of what mixed steps took beyond the decode fit, per prompt token. Prompt tokens late in a
+long prompt cost more (attention reads the whole prefix); the mean follows the mix the worker
+actually serves. Same on CUDA: the fit sees the device's step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEP_COST_DECAY = 0.99  # weight of a step in the decode fit, per later step
+STEP_COST_MIN_STEPS = 16  # decode steps before the fit is used
+PREFILL_COST_WEIGHT = 0.05  # weight of one mixed step in the per-token prefill cost
+PREFILL_MIN_SAMPLE_TOKENS = 8  # mixed steps with fewer prompt tokens say too little about c
+PREFILL_MIN_STEPS = 4  # mixed steps before the prefill cost is used
+
+
+class StepCost:
+    """The engine's decode forward time as ``a + b * rows`` (seconds; rows = decoding sequences
+    plus their proposals), fitted by exponentially weighted least squares over recent decode
+    steps. Speculation pays for a sequence when its acceptance rate exceeds
+    ``b * B / (a + b * B)`` with ``B`` sequences decoding: each proposal costs ``b``, and each
+    kept one is a token the batch got without a step."""
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.steps = 0
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = STEP_COST_DECAY
+        self.n = d * self.n + 1
+        self.sx = d * self.sx + rows
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + rows * rows
+        self.sxy = d * self.sxy + rows * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before enough decode steps of at least two sizes."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if self.steps < STEP_COST_MIN_STEPS or var <= 1e-9 * self.n * self.n:
+            return None
+        b = (self.n * self.sxy - self.sx * self.sy) / var
+        a = (self.sy - b * self.sx) / self.n
+        return a, b
+
+    def predict(self, rows: int) -> float | None:
+        ab = self.fit()
+        return None if ab is None else max(ab[0], 0.0) + max(ab[1], 0.0) * rows
+
+    def break_even(self, batch: int) -> float:
+        """Acceptance rate above which proposing pays with ``batch`` sequences decoding."""
+        ab = self.fit()
+        if ab is None or batch <= 0:
+            return 0.0
+        a, b = ab
+        if b <= 0:
+            return 0.0
+        return b * batch / (max(a, 0.0) + b * batch)  # > 0: b > 0 and batch > 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBudget:
+    """The scheduler's allowance of prompt tokens for one step, and why."""
+
+    tokens: int
+    # "" (within the target) | "decode_rows" (decode alone is predicted over the target)
+    # | "prefill_floor" (the floor of prompt tokens takes the step over it)
+    over_target: str = ""
+
+
+class StepCostModel:
+    """The decode fit plus the per-prompt-token cost; owned by the engine."""
+
+    def __init__(self) -> None:
+        self.decode = StepCost()
+        self.per_prefill_token = 0.0  # seconds, EW mean over mixed steps
+        self.prefill_steps = 0
+
+    def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
+        """One forward of ``rows`` decode rows and ``prefill_tokens`` prompt tokens."""
+        if prefill_tokens == 0:
+            self.decode.add(rows, seconds)
+            return
+        base = self.decode.predict(rows)
+        if base is None or prefill_tokens < PREFILL_MIN_SAMPLE_TOKENS:
+            return
+        sample = max(seconds - base, 0.0) / prefill_tokens
+        w = 1.0 if self.prefill_steps == 0 else PREFILL_COST_WEIGHT
+        self.per_prefill_token += w * (sample - self.per_prefill_token)
+        self.prefill_steps += 1
+
+    def ready(self) -> bool:
+        return self.decode.fit() is not None and self.prefill_steps >= PREFILL_MIN_STEPS
+
+    def prefill_budget(
+        self, target_s: float, rows: int, floor: int, ceiling: int
+    ) -> PrefillBudget | None:
+        """Prompt tokens a step with ``rows`` decode rows may carry to stay under
+        ``target_s``: at least ``floor`` (prompts always progress), at most ``ceiling``; None
+        until the model has seen enough steps (the scheduler then uses its fixed chunks)."""
+        if not self.ready():
+            return None
+        decode_s = self.decode.predict(rows)
+        assert decode_s is not None  # ready() implies a fit
+        room = target_s - decode_s
+        if room <= 0:
+            return PrefillBudget(max(min(floor, ceiling), 0), "decode_rows")
+        c = self.per_prefill_token
+        tokens = ceiling if c <= 0 else min(int(room / c), ceiling)
+        if tokens < floor:
+            return PrefillBudget(max(min(floor, ceiling), 0), "prefill_floor")
+        return PrefillBudget(tokens)
