@@ -15,10 +15,6 @@ Triton ships with torch's CUDA wheels; without it (a CPU build) :data:`AVAILABLE
 the engine keeps the torch path.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
 import torch
 
 try:
@@ -42,27 +38,27 @@ if triton is not None:
 
     @triton.jit  # type: ignore[misc]
     def _paged_decode_kernel(
-        q_ptr: Any,  # [B, H, D], D contiguous
-        k_ptr: Any,  # [Hkv, num_blocks, block_size, D] (one layer's keys)
-        v_ptr: Any,  # the same for values
-        tables_ptr: Any,  # [B, W] int64
-        lens_ptr: Any,  # [B] int64: keys each row sees (its position + 1)
-        out_ptr: Any,  # [B, H, D]
-        scale: Any,
-        stride_qb: Any,
-        stride_qh: Any,
-        stride_kh: Any,
-        stride_kn: Any,
-        stride_kt: Any,
-        stride_tb: Any,
-        stride_ob: Any,
-        stride_oh: Any,
+        q_ptr,  # [B, H, D], D contiguous
+        k_ptr,  # [Hkv, num_blocks, block_size, D] (one layer's keys)
+        v_ptr,  # the same for values
+        tables_ptr,  # [B, W] int64
+        lens_ptr,  # [B] int64: keys each row sees (its position + 1)
+        out_ptr,  # [B, H, D]
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kh,
+        stride_kn,
+        stride_kt,
+        stride_tb,
+        stride_ob,
+        stride_oh,
         GROUPS: tl.constexpr,
         BLOCK_G: tl.constexpr,
         D: tl.constexpr,
         BS: tl.constexpr,
         TILE: tl.constexpr,
-    ) -> None:
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         offs_g = tl.arange(0, BLOCK_G)
