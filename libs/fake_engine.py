@@ -2,7 +2,9 @@
 
 It produces deterministic pseudo-words on a timing model (``FakeEngineSettings``): a prompt costs
 ``per_prompt_token_s`` per uncached prompt token before the first token, and each output token
-costs ``per_token_s``. Tokens are whitespace-separated words hashed to ids, so prefix overlap and
+costs ``per_token_s`` plus ``per_row_s`` for every other request the worker runs at that moment
+(:meth:`FakeBackend.token_s`), so its ITL grows with its batch as a real engine's step does.
+configs/fake-calibrated.toml sets them to the real worker's measured costs. Tokens are whitespace-separated words hashed to ids, so prefix overlap and
 KV events behave like a real worker's at block granularity.
 """
 
@@ -181,7 +183,7 @@ class FakeBackend:
                 if request_id in self._aborted:
                     return
                 if step > skip:
-                    await asyncio.sleep(self.settings.per_token_s)
+                    await asyncio.sleep(self.token_s())
                 for i, rng in enumerate(rngs):
                     if done[i]:
                         continue
@@ -211,6 +213,11 @@ class FakeBackend:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
             self._slots.release()
+
+    def token_s(self) -> float:
+        """Seconds one output token takes now: one step of a batch of the running requests."""
+        others = max(len(self._running) - 1, 0)
+        return self.settings.per_token_s + self.settings.per_row_s * others
 
     def abort(self, request_id: str) -> None:
         if request_id in self._running:

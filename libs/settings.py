@@ -477,10 +477,16 @@ class CacheSettings(BaseModel):
 
 
 class FakeEngineSettings(BaseModel):
-    """Timing model of the fake backend (load tests of routing/streaming only)."""
+    """Timing model of the FAKE backend (load tests of routing, streaming and the planner; never
+    a model's results). A decode token costs ``per_token_s`` with one request running and
+    ``per_row_s`` more for each other request the worker runs (a real engine's step grows with
+    its rows); a prompt costs ``per_prompt_token_s`` per uncached token before the first token.
+    configs/fake-calibrated.toml holds the values measured on the real worker
+    (bench/fake_calibration.py, docs/autoscaling.md)."""
 
-    per_token_s: float = 0.01
-    per_prompt_token_s: float = 0.0002
+    per_token_s: float = Field(default=0.01, ge=0)
+    per_row_s: float = Field(default=0.0, ge=0)
+    per_prompt_token_s: float = Field(default=0.0002, ge=0)
     max_model_len: int = 4096
 
 
@@ -555,6 +561,12 @@ class PlannerSettings(BaseModel):
     # "holt" (damped-trend exponential smoothing), "arima", "ewma", "last"; docs/planner.md
     # has each one's measured error on the shipped traces (bench/planner_forecast.py).
     forecast_method: Literal["holt", "arima", "ewma", "last"] = "holt"
+    # "forecast": the rules of docs/planner.md (forecast, queue, TTFT and busy terms).
+    # "reactive": a baseline that sizes on queue depth alone, as KEDA's lag trigger does:
+    # ceil(requests waiting in the role's workers / reactive_queue_per_worker) (the manifests'
+    # lagThreshold), same bounds and cooldowns; bench/autoscaling.py compares the two.
+    policy: Literal["forecast", "reactive"] = "forecast"
+    reactive_queue_per_worker: int = Field(default=16, ge=1)
     # Buckets of history below which the forecast is the recent mean (no model fitted).
     min_history_buckets: int = Field(default=6, ge=2)
     # The plan sizes for the forecast's peak plus this many standard deviations of the
