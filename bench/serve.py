@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from bench import traces
 from bench.serve_client import Sampling, Target, resolve_model, send_request
 from bench.serve_report import comparison_table, latency_samples_ms, summarize_run, write_results
 from bench.serve_run import Load, RunOptions, RunResult, run_load
@@ -91,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="R",
         help="open loop, Poisson arrivals of R req/s (list: a sweep)",
+    )
+    load.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay a trace (JSON lines: t, prompt_tokens, max_tokens; bench/traces/ ships "
+        "some, `python -m bench.traces` writes more): each request at its time, with its "
+        "prompt length and max_tokens; replaces --rate, --workload and --num-requests "
+        "(--concurrency: a cap)",
     )
     load.add_argument("--num-requests", type=int, default=100, help="requests per run")
     load.add_argument("--duration", type=float, default=600.0, help="cap per run, seconds")
@@ -346,7 +356,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not a local address: {', '.join(remote)} (pass --allow-remote)")
     if args.num_requests < 1 or args.duration <= 0 or args.request_timeout <= 0:
         parser.error("--num-requests, --duration and --request-timeout must be positive")
-    loads = _loads(args, parser)
+    if args.trace is not None:
+        if args.rate or (args.concurrency and len(_numbers(args.concurrency, int, "-c")) > 1):
+            parser.error("--trace replays its own arrivals: no --rate, one --concurrency cap")
+        try:
+            trace = traces.load(args.trace)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--trace: {exc}")
+        if not trace:
+            parser.error(f"--trace: {args.trace} has no arrivals")
+        cap = _numbers(args.concurrency, int, "--concurrency")
+        loads = [
+            Load(
+                concurrency=cap[0] if cap else None,
+                arrivals=tuple(a.t for a in trace),
+                trace_name=args.trace.stem,
+            )
+        ]
+        args.num_requests = len(trace)
+        args.duration = max(args.duration, trace[-1].t + 1.0)
+    else:
+        loads = _loads(args, parser)
     slo = SLO(
         ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
         itl_s=args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None,
@@ -365,13 +395,18 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         worker_metrics=list(args.worker_metrics),
     )
-    requests = generate(
-        args.workload,
-        len(loads) * args.num_requests + args.warmup,
-        args.seed,
-        max_tokens=args.max_tokens,
-        prefix_words=args.prefix_words,
-    )
+    if args.trace is not None:
+        # Warm-up requests come after the trace's own (same shape, never repeating one).
+        extra = [traces.Arrival(0.0, a.prompt_tokens, a.max_tokens) for a in trace[: args.warmup]]
+        requests = traces.bench_requests(trace + extra, args.seed)
+    else:
+        requests = generate(
+            args.workload,
+            len(loads) * args.num_requests + args.warmup,
+            args.seed,
+            max_tokens=args.max_tokens,
+            prefix_words=args.prefix_words,
+        )
     started = dt.datetime.now(dt.UTC)
     try:
         runs = asyncio.run(_run_all(targets, loads, requests, options, args.warmup))
@@ -385,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "started": started.isoformat(),
         "argv": [_redact_key(a) for a in (sys.argv[1:] if argv is None else argv)],
-        "workload": args.workload,
+        "workload": f"trace:{args.trace}" if args.trace is not None else args.workload,
         "api": args.api,
         "num_requests": args.num_requests,
         "duration_cap_s": args.duration,

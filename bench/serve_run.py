@@ -36,8 +36,16 @@ class Load:
 
     concurrency: int | None = None
     rate: float | None = None
+    # A replayed trace (``--trace``): each request's arrival, seconds from the run's start,
+    # instead of Poisson arrivals at ``rate``.
+    arrivals: tuple[float, ...] | None = None
+    trace_name: str = ""
 
     def __post_init__(self) -> None:
+        if self.arrivals is not None:
+            if any(b < a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)):
+                raise ValueError("trace arrivals must be in time order")
+            return
         if self.rate is None and self.concurrency is None:
             raise ValueError("a load needs a concurrency or a rate")
         if self.concurrency is not None and self.concurrency < 1:
@@ -47,6 +55,9 @@ class Load:
 
     @property
     def label(self) -> str:
+        if self.arrivals is not None:
+            cap = f",c<={self.concurrency}" if self.concurrency is not None else ""
+            return f"trace={self.trace_name or 'file'}{cap}"
         if self.rate is None:
             return f"c={self.concurrency}"
         cap = f",c<={self.concurrency}" if self.concurrency is not None else ""
@@ -133,7 +144,7 @@ async def run_load(
             bar.set_postfix(errors=errors, refresh=False)
 
     try:
-        if load.rate is None:
+        if load.rate is None and load.arrivals is None:
             assert load.concurrency is not None  # checked by Load
             await _closed_loop(requests, load.concurrency, deadline, one)
         else:
@@ -179,8 +190,11 @@ async def _open_loop(
     deadline: float,
     one: _Send,
 ) -> None:
-    assert load.rate is not None
-    arrivals = poisson_arrivals(load.rate, len(requests), seed)
+    if load.arrivals is not None:
+        arrivals = list(load.arrivals)
+    else:
+        assert load.rate is not None
+        arrivals = poisson_arrivals(load.rate, len(requests), seed)
     cap = asyncio.Semaphore(load.concurrency) if load.concurrency is not None else None
     tasks: set[asyncio.Task[None]] = set()
 

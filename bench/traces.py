@@ -9,9 +9,15 @@ Traces (``TRACES``):
 - ``ramp``: a slow linear climb from a tenth of the peak to the peak, then held.
 
 Rates are in requests a second at ``scale`` 1; ``scale`` multiplies them (a smaller machine
-replays the same shape at a lower rate). Arrival ``i`` depends only on (trace, seed, scale), so
-two runs of a trace see the same requests. ``python -m bench.traces NAME --out FILE`` writes one
-as JSON lines (``t``, ``prompt_tokens``, ``max_tokens``).
+replays the same shape at a lower rate); ``compress`` k plays the trace k times faster at the
+same rates (a 20-minute trace in 80 s at k = 15: a burst of 2 minutes lasts 8 s). Arrival ``i``
+depends only on (trace, seed, scale, compress), so two runs of a trace see the same requests.
+``python -m bench.traces NAME --out FILE`` writes one as JSON lines (``t``, ``prompt_tokens``,
+``max_tokens``), the format ``strait bench serve --trace FILE`` replays (:func:`load`);
+bench/traces/ ships the four, compressed, as bench/autoscaling.py replays them.
+
+No package on PyPI ships a public LLM arrival pattern (searched 2026-11-26: nothing like the
+Azure LLM inference traces or BurstGPT is packaged), so none is generated from one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.workloads import BenchRequest
 
 DIURNAL_PERIOD_S = 600.0
 BURST_FACTOR = 10.0
@@ -79,20 +87,74 @@ def arrivals(
     prompt_tokens: tuple[int, int] = (32, 256),
     max_tokens: tuple[int, int] = (32, 128),
     duration_s: float | None = None,
+    compress: float = 1.0,
 ) -> list[Arrival]:
     """A non-homogeneous Poisson process by thinning: candidates at the peak rate, each kept
-    with probability rate(t) / peak."""
-    rng = random.Random(f"{trace.name}:{seed}:{scale}")
-    end = trace.duration_s if duration_s is None else duration_s
-    peak = max(trace.rate(i * end / 1000) for i in range(1001)) * scale
+    with probability rate(t) / peak. With ``compress`` k, time t of the result is the trace's
+    t x k (``duration_s``, when given, is in the result's time)."""
+    key = f"{trace.name}:{seed}:{scale}" + (f":{compress}" if compress != 1.0 else "")
+    rng = random.Random(key)
+    end = trace.duration_s / compress if duration_s is None else duration_s
+
+    def rate(t: float) -> float:
+        return trace.rate(t * compress) * scale
+
+    peak = max(rate(i * end / 1000) for i in range(1001))
     out: list[Arrival] = []
     t = 0.0
     while peak > 0:
         t += rng.expovariate(peak)
         if t >= end:
             break
-        if rng.random() * peak <= trace.rate(t) * scale:
+        if rng.random() * peak <= rate(t):
             out.append(Arrival(t, rng.randint(*prompt_tokens), rng.randint(*max_tokens)))
+    return out
+
+
+def dump(items: list[Arrival], path: Path) -> None:
+    """Write arrivals as JSON lines, the format :func:`load` reads."""
+    with path.open("w") as f:
+        for a in items:
+            row = {"t": round(a.t, 4), "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens}
+            f.write(json.dumps(row) + "\n")
+
+
+def load(path: Path) -> list[Arrival]:
+    """Read a trace file: one JSON object a line with ``t`` (seconds from the start, >= 0),
+    ``prompt_tokens`` and ``max_tokens`` (>= 1); blank lines are skipped. Arrivals come back
+    in time order. A bad line is a ``ValueError`` naming its line number."""
+    out: list[Arrival] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            a = Arrival(float(row["t"]), int(row["prompt_tokens"]), int(row["max_tokens"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not a trace row ({exc})") from None
+        if a.t < 0 or a.prompt_tokens < 1 or a.max_tokens < 1:
+            raise ValueError(f"{path}:{n}: t must be >= 0 and token counts >= 1")
+        out.append(a)
+    return sorted(out, key=lambda a: a.t)
+
+
+# Words a replayed request's prompt is drawn from (one word is one token for the FAKE engine's
+# tokenizer; a real tokenizer makes ~1.3 tokens of each).
+PROMPT_WORDS = (
+    "river bridge light quiet engine token narrow strait open water ship morning tide harbour "
+    "cargo lantern signal current valley stone field village evening"
+).split()
+
+
+def bench_requests(items: list[Arrival], seed: int = 0) -> list[BenchRequest]:
+    """One ``bench.serve`` request per arrival: a prompt of ``prompt_tokens`` words (its
+    first words name the request, so no two share a cached prefix) and its ``max_tokens``."""
+    out = []
+    for i, a in enumerate(items):
+        rng = random.Random(f"trace-prompt:{seed}:{i}")
+        head = f"Request {i}:".split()
+        body = [rng.choice(PROMPT_WORDS) for _ in range(max(a.prompt_tokens - len(head), 0))]
+        out.append(BenchRequest(i, "trace", None, " ".join([*head, *body]), a.max_tokens))
     return out
 
 
@@ -110,20 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", choices=sorted(TRACES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--compress", type=float, default=1.0, help="play k times faster")
+    p.add_argument("--duration", type=float, help="seconds of the result (default: all)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    with args.out.open("w") as f:
-        for a in arrivals(TRACES[args.name], args.seed, args.scale):
-            f.write(
-                json.dumps(
-                    {
-                        "t": round(a.t, 4),
-                        "prompt_tokens": a.prompt_tokens,
-                        "max_tokens": a.max_tokens,
-                    }
-                )
-                + "\n"
-            )
+    trace = TRACES[args.name]
+    dump(
+        arrivals(trace, args.seed, args.scale, duration_s=args.duration, compress=args.compress),
+        args.out,
+    )
     return 0
 
 
