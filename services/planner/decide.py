@@ -11,6 +11,8 @@ decision's ``driver``):
 - ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
   now, whatever the arithmetic says (the capacity estimate is wrong).
 
+``need_reactive`` is the baseline that sizes on queue depth alone (KEDA's way).
+
 Then (``settle``): bounds (``min_bound`` / ``max_bound``); a pool allowed to reach zero
 (min 0) goes there after ``idle_to_zero_s`` without an arrival, and wakes with one worker at
 the first sign of demand; up is held for ``scale_up_cooldown_s`` after a change; down needs
@@ -94,6 +96,14 @@ def need(load: Load, cap: Capacity, bounds: Bounds, current: int, util: float) -
     terms["busy"] = math.ceil(load.busy / max(cap.concurrency, 1)) if load.busy else 0
     driver = max(terms, key=lambda k: terms[k])
     return terms[driver], driver if terms[driver] > 0 else "idle"
+
+
+def need_reactive(load: Load, queue_per_worker: int) -> tuple[int, str]:
+    """The reactive baseline (``planner.policy = "reactive"``): workers for the queue alone,
+    ``ceil(waiting / queue_per_worker)``, as an HPA sizes on KEDA's lag metric (an average
+    value target): nothing for a forecast, for running requests or for a TTFT over the SLO."""
+    wanted = math.ceil(load.queue / queue_per_worker) if load.queue > 0 else 0
+    return wanted, "queue_depth" if wanted else "idle"
 
 
 def settle(

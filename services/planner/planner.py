@@ -170,7 +170,10 @@ class Planner:
             demand_while_zero=view.demand_while_zero,
         )
         view.demand_while_zero = False
-        wanted, driver = decide.need(load, cap, bounds, current, self.cfg.target_utilization)
+        if self.cfg.policy == "reactive":
+            wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)
+        else:
+            wanted, driver = decide.need(load, cap, bounds, current, self.cfg.target_utilization)
         state = self.states.setdefault((pool.name, role), decide.RoleState())
         verdict = decide.settle(wanted, driver, load, bounds, state, current, now, self.cfg)
         return PlanDecision(

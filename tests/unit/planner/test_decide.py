@@ -132,3 +132,52 @@ def test_worker_capacity_prior_then_measured() -> None:
     # 8 sequences over (1.9 s decode + 0.1 s prefill) = 4 requests a second.
     assert got.source == "measured" and got.concurrency == 8
     assert got.worker_rps == pytest.approx(4.0)
+
+
+def test_reactive_sizes_on_queue_depth_alone() -> None:
+    from services.planner.decide import need_reactive
+
+    # KEDA's average-value target: 33 waiting at 16 a worker is 3 workers.
+    assert need_reactive(load(queue=33), 16) == (3, "queue_depth")
+    assert need_reactive(load(queue=16), 16) == (1, "queue_depth")
+    # No queue: nothing, whatever the forecast, the running requests or the TTFT say (the
+    # bounds then hold the floor), which is what makes it late on a burst.
+    quiet = load(queue=0, forecast_rps=50.0, busy=40, ttft_s=9.0, arrival_rps=20.0)
+    assert need_reactive(quiet, 16) == (0, "idle")
+    wanted, driver = need_reactive(quiet, 16)
+    state = RoleState(target=4, last_change=0.0)
+    # Then the same settle as the planner: down only after the stable window, one at a time.
+    assert settle(wanted, driver, quiet, BOUNDS, state, 4, 10.0, cfg()).reason == (
+        "hold_down_unstable"
+    )
+    v = settle(wanted, driver, quiet, BOUNDS, state, 4, 40.0, cfg())
+    assert (v.replicas, v.reason) == (3, "scale_down")
+
+
+def test_planner_policy_reactive_ignores_the_forecast() -> None:
+    from libs.protocol import WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    def settings(policy: str) -> Settings:
+        return Settings(
+            pools=[PoolSettings(name="p", model="m", backend="fake")],
+            planner=PlannerSettings(  # type: ignore[arg-type]
+                policy=policy, bucket_s=1.0, min_history_buckets=3, reactive_queue_per_worker=4
+            ),
+        )
+
+    out = {}
+    for policy in ("forecast", "reactive"):
+        pl = Planner(settings(policy), "t", now=0.0)
+        beat = WorkerBeat(
+            worker_id="w0", pool="p", role="aggregated", model="m", capacity=4, waiting=0
+        )
+        for sec in range(12):  # 12 s of 8 arrivals a second, nothing waiting in the worker
+            pl.on_beat(beat, float(sec))
+            for _ in range(8):
+                pl._arrive("p", float(sec))
+        (d,) = pl.plan(12.0)
+        out[policy] = (d.replicas, d.driver)
+    assert out["forecast"][0] > 1 and out["forecast"][1] == "forecast"
+    assert out["reactive"] == (1, "min_bound")
