@@ -116,3 +116,26 @@ def test_main_compares_targets_and_writes_results(
     good_40 = [r["index"] for r in lines if r["target"] == "good" and r["load"] == "rate=40/s"]
     assert sorted(good_20) == list(range(6)) and sorted(good_40) == list(range(6, 12))
     assert {p.name for p in tmp_path.glob("*.png")} == {"latency_cdf.png", "sweep.png"}
+
+
+def test_main_replays_a_trace_at_its_times_and_lengths(fake_server: str, tmp_path: Path) -> None:
+    trace = tmp_path / "tiny.jsonl"
+    rows = [(0.0, 12, 3), (0.3, 40, 5), (0.3, 7, 2)]
+    trace.write_text(
+        "".join(
+            json.dumps({"t": t, "prompt_tokens": p, "max_tokens": m}) + "\n" for t, p, m in rows
+        )
+    )
+    argv = [f"--target=good={fake_server}", f"--trace={trace}", "--no-progress", "--no-plots"]
+    assert main([*argv, f"--out={tmp_path / 'out'}"]) == 0
+    lines = [
+        json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
+    ]
+    assert sorted(r["index"] for r in lines) == [0, 1, 2]
+    by_index = {r["index"]: r for r in lines}
+    for i, (t, _, _) in enumerate(rows):
+        assert by_index[i]["scheduled_s"] == t
+        assert t <= by_index[i]["start_s"] < t + SLACK_S
+    assert {r["load"] for r in lines} == {"trace=tiny"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--rate=2"])
