@@ -8,7 +8,12 @@ RUNNING = Gauge("strait_worker_running_requests", "Requests this worker is servi
 WAITING = Gauge("strait_worker_waiting_requests", "Requests queued inside the engine")
 KV_BLOCKS_USED = Gauge("strait_worker_kv_blocks_used", "KV blocks in use")
 KV_BLOCKS_FREE = Gauge("strait_worker_kv_blocks_free", "KV blocks free (incl. evictable cached)")
-TTFT = Histogram("strait_worker_ttft_seconds", "Assignment to first token", buckets=LATENCY_BUCKETS)
+TTFT = Histogram(
+    "strait_worker_ttft_seconds",
+    "Assignment to first token, by the request's priority class",
+    ["priority"],
+    buckets=LATENCY_BUCKETS,
+)
 REQUESTS = Counter("strait_worker_requests_total", "Requests finished by status", ["status"])
 OUTPUT_TOKENS = Counter("strait_worker_output_tokens_total", "Tokens generated")
 PROMPT_TOKENS = Counter(
@@ -19,7 +24,8 @@ PROMPT_TOKENS = Counter(
 CANCELLED = Counter("strait_worker_cancels_total", "Cancel messages that aborted a request")
 ITL = Histogram(
     "strait_worker_itl_seconds",
-    "Gap between consecutive token deltas of one request",
+    "Gap between consecutive token deltas of one request, by its priority class",
+    ["priority"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 E2E = Histogram("strait_worker_e2e_seconds", "Assignment to last token", buckets=LATENCY_BUCKETS)

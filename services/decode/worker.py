@@ -447,7 +447,7 @@ class Worker:
                 if ttft is None and (chunk.token_ids or chunk.finish_reason):
                     ttft = ttft_offset + now - started
                     span.add_event("first_token")
-                    metrics.TTFT.observe(ttft)
+                    metrics.TTFT.labels(priority=req.priority).observe(ttft)
                     if handoff is None:
                         # A migrated request's replayed output is recomputed like prompt.
                         computed = usage.prompt_tokens + len(replayed)
@@ -463,8 +463,9 @@ class Worker:
                 elif chunk.token_ids and chunk.index == 0:
                     # A step that kept speculated tokens delivers several at once: each of
                     # them waited its share.
+                    itl = metrics.ITL.labels(priority=req.priority)
                     for _ in chunk.token_ids:
-                        metrics.ITL.observe((now - last_token_at) / len(chunk.token_ids))
+                        itl.observe((now - last_token_at) / len(chunk.token_ids))
                 if chunk.token_ids and chunk.index == 0:
                     last_token_at = now
                 spec = (chunk.num_spec_proposed, chunk.num_spec_accepted)

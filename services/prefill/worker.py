@@ -136,7 +136,7 @@ class PrefillWorker(Worker):
             res = await self.engine.prefill(key, prompt, one, req.priority, replayed)
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
-            metrics.TTFT.observe(prefill_s)
+            metrics.TTFT.labels(priority=req.priority).observe(prefill_s)
             # Local and imported hits (a migration's replayed output is computed like prompt).
             usage.cached_tokens = min(chunk.num_cached_tokens, usage.prompt_tokens)
             self.count_prompt(usage.prompt_tokens + len(replayed), chunk.num_cached_tokens)
