@@ -141,6 +141,22 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
             await js.add_consumer(stream, config=config)
 
 
+def batch_stream_config(settings: NatsSettings, window_s: float, dedupe_s: float) -> StreamConfig:
+    """The Batch API's lines (``BatchLine`` on ``batch.<batch_id>``): a work queue, each line
+    stored once per ``Nats-Msg-Id`` (``<batch_id>:<index>``) within ``dedupe_s``, kept at most
+    ``window_s`` (the batch's completion window)."""
+    return StreamConfig(
+        name=settings.batch_stream,
+        subjects=[Subjects(settings.subject_prefix).batch_all],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=window_s,
+        duplicate_window=dedupe_s,
+        max_msg_size=settings.max_payload,
+        num_replicas=settings.stream_replicas,
+    )
+
+
 def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
     """The JetStream streams Strait uses, with their limits."""
     subjects = Subjects(settings.subject_prefix)

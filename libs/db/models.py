@@ -1,12 +1,23 @@
 """Tables: ``api_keys`` (hashed secrets and limits), ``requests`` (the ledger, one row per
-request: origin and id) and ``responses`` (stored Responses API objects, per key). Changing them needs a new revision in ``migrations/versions``."""
+request: origin and id), ``responses`` (stored Responses API objects, per key), and the Batch
+API's ``files``, ``batches`` and ``batch_results`` (one row per answered line). Changing them needs a new revision in ``migrations/versions``."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -83,3 +94,58 @@ class StoredResponse(Base):
     history: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_responses_api_key_id_created_at", "api_key_id", "created_at"),)
+
+
+class StoredFile(Base):
+    """A file of the Files API: a batch's input (``purpose`` "batch") or its output or error
+    file (``batch_output``), visible only to the API key that owns it."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column("bytes", Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (Index("ix_files_api_key_id_created_at", "api_key_id", "created_at"),)
+
+
+class BatchRow(Base):
+    """A batch of ``POST /v1/batches``: its state, counts and files. ``status`` moves
+    validating → in_progress → finalizing → completed (or failed, cancelling → cancelled,
+    expired); the counts are written in the transaction that adds a ``batch_results`` row."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    team: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # OpenAI's batch object fields not derived from the above: metadata, errors and the
+    # timestamps (unix seconds) of each status reached.
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_batches_api_key_id_created_at", "api_key_id", "created_at"),)
+
+
+class BatchResult(Base):
+    """The answer to one line: its output (or error) file line. The primary key is what makes
+    a line answered once whatever is redelivered."""
+
+    __tablename__ = "batch_results"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON)

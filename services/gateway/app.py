@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP front door (FastAPI).
 
 ``create_app(settings)`` is called by ``services.gateway.main`` (uvicorn) and by tests. Routes:
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (and ``/v1/models/{id}``),
-``/health``, ``/ready``,
-``/metrics``. A completion passes, in order: API key (``deps.require_key``) → per-key rate
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models`` (and
+``/v1/models/{id}``), ``/v1/files`` and ``/v1/batches`` (``batches.py``; their lines are run by
+the ``BatchRunner`` this process starts), ``/health``, ``/ready``, ``/metrics``. A completion passes, in order: API key (``deps.require_key``) → per-key rate
 limits (``limits.py``) → response cache (``cache.py``) → backpressure (in-flight bound, pool
 queue depth) → one ``GenerateRequest`` on NATS (``completions.py``). The lifespan connects to
 NATS, migrates the database and runs the ledger writer (``libs.db.ledger``).
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from libs.db import Database
+from libs.db.batches import BatchStore
 from libs.db.ledger import LedgerWriter
 from libs.db.responses import ResponseStore
 from libs.protocol import (
@@ -36,6 +37,8 @@ from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
+from services.gateway.batch_runner import BatchRunner
+from services.gateway.batches import install_batch_routes
 from services.gateway.body_limit import BodyLimit
 from services.gateway.cache import ResponseCache, cache_key, is_deterministic
 from services.gateway.completions import (
@@ -60,35 +63,12 @@ from services.gateway.responses import (
     whole_response,
 )
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-
-# Output tokens when the client sets no limit (OpenAI's completions default is 16; chat's is
-# "until the context ends", which we bound).
-DEFAULT_CHAT_MAX_TOKENS = 512
-DEFAULT_TEXT_MAX_TOKENS = 16
-# Rough characters per token, to reserve a prompt's tokens before the worker counts them.
-CHARS_PER_TOKEN = 4
-
-
-def estimate_tokens(req: GenerateRequest) -> int:
-    if req.prompt_token_ids is not None:
-        prompt = len(req.prompt_token_ids)
-    else:
-        text = (
-            req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
-        )
-        prompt = len(text) // CHARS_PER_TOKEN + 1
-    return prompt + req.sampling.max_tokens * req.sampling.n
-
-
-def sampling_of(
-    body: ChatCompletionRequest | CompletionRequest, default_max: int
-) -> SamplingParams:
-    """The body's sampling parameters; a constraint that cannot be read is a 400 on its field."""
-    try:
-        return body.sampling(default_max, body.logprobs_n())
-    except ValueError as e:
-        param = "response_format" if body.response_format else "structured_outputs"
-        raise ApiError(400, str(e), "invalid_request", param) from None
+from services.gateway.translate import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    chat_request,
+    estimate_tokens,
+    text_request,
+)
 
 
 def create_app(
@@ -116,9 +96,16 @@ def create_app(
                 await ledger.start()
             app.state.ledger = ledger
             app.state.responses = ResponseStore(db) if g.store_responses and db else None
+            app.state.batches = BatchStore(db) if db else None
+            if db is not None and settings.batch.runner_enabled:
+                runner = BatchRunner(settings, fleet, app.state.batches)
+                await runner.start()
+                app.state.batch_runner = runner
             settle_heap(settings)
             yield
         finally:
+            if app.state.batch_runner is not None:
+                await app.state.batch_runner.stop()
             if ledger is not None:
                 await ledger.stop()
             await fleet.stop()
@@ -134,6 +121,8 @@ def create_app(
     app.state.inflight = 0
     app.state.ledger = None
     app.state.responses = None
+    app.state.batches = None
+    app.state.batch_runner = None
     app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
     app.state.cache = cache = ResponseCache(g)
     install_handlers(app)
@@ -334,49 +323,12 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, key: KeyDep) -> Response:
-        try:
-            messages = body.wire_messages()
-        except ValueError as e:
-            raise ApiError(400, str(e), "invalid_request", "messages") from None
-        tools, tool_choice, tool_name = body.wire_tools()
-        req = GenerateRequest(
-            request_id=new_request_id("chat"),
-            model=body.model,
-            messages=messages,
-            sampling=sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
-            priority=body.priority,
-            api_key_id=key.key_id,
-            team=key.team,
-            user=body.user,
-            want_route=True,
-            tools=tools,
-            tool_choice=tool_choice,
-            tool_name=tool_name,
-            parallel_tool_calls=body.parallel_tool_calls,
-        )
+        req = chat_request(body, key, new_request_id("chat"), body.priority)
         return await submit("chat", body, key, req)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, key: KeyDep) -> Response:
-        prompt, ids = None, None
-        if isinstance(body.prompt, str):
-            prompt = body.prompt
-        elif isinstance(body.prompt[0], str):
-            prompt = str(body.prompt[0])
-        else:
-            ids = [int(x) for x in body.prompt]
-        req = GenerateRequest(
-            request_id=new_request_id("text"),
-            model=body.model,
-            prompt=prompt,
-            prompt_token_ids=ids,
-            sampling=sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
-            priority=body.priority,
-            api_key_id=key.key_id,
-            team=key.team,
-            user=body.user,
-            want_route=True,
-        )
+        req = text_request(body, key, new_request_id("text"), body.priority)
         return await submit("text", body, key, req)
 
     # ---------------------------------------------------------------- /v1/responses
@@ -507,6 +459,7 @@ def create_app(
             400, "Only background responses can be cancelled.", "invalid_request", "response_id"
         )
 
+    install_batch_routes(app, settings)
     return app
 
 

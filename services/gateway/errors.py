@@ -21,6 +21,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
@@ -81,13 +82,11 @@ class ApiError(Exception):
 OPENAI_ENDPOINTS_NOT_SERVED = {
     "assistants": "Assistants",
     "audio": "Audio",
-    "batches": "Batch",
     "chatkit": "ChatKit",
     "containers": "Containers",
     "conversations": "Conversations",
     "embeddings": "Embeddings",
     "evals": "Evals",
-    "files": "Files",
     "fine_tuning": "Fine-tuning",
     "images": "Images",
     "moderations": "Moderations",
@@ -110,7 +109,8 @@ def not_served(method: str, path: str) -> ApiError:
     return ApiError(
         404,
         f"Strait does not serve OpenAI's {name} API ({method} {path}); it serves "
-        "/v1/chat/completions, /v1/completions, /v1/responses and /v1/models",
+        "/v1/chat/completions, /v1/completions, /v1/responses, /v1/files, /v1/batches and "
+        "/v1/models",
         "endpoint_not_served",
     )
 
@@ -120,6 +120,24 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def validation_api_error(errs: list[Any]) -> ApiError:
+    """The 400 for a body's validation errors (FastAPI's or pydantic's ``errors()``)."""
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    param = _param(tuple(first.get("loc", ())))
+    ctx = first.get("ctx")
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's own answer to a field it does not know.
+        msg = f"Unrecognized request argument supplied: {param}"
+        return ApiError(400, msg, "invalid_request", param)
+    if isinstance(cause, ValueError) and hasattr(cause, "name"):  # schemas.UnsupportedField
+        field = f"{param}.{cause.name}" if param else str(cause.name)
+        return ApiError(400, str(cause), "unsupported_parameter", field)
+    text = str(first.get("msg")).removeprefix("Value error, ")
+    msg = f"{param}: {text}" if param else text
+    return ApiError(400, msg, "invalid_request", param)
+
+
 def install_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -127,21 +145,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        param = _param(tuple(first.get("loc", ())))
-        ctx = first.get("ctx")
-        cause = ctx.get("error") if isinstance(ctx, dict) else None
-        if first.get("type") == "extra_forbidden":
-            # OpenAI's own answer to a field it does not know.
-            msg = f"Unrecognized request argument supplied: {param}"
-            return ApiError(400, msg, "invalid_request", param).response()
-        if isinstance(cause, ValueError) and hasattr(cause, "name"):  # schemas.UnsupportedField
-            field = f"{param}.{cause.name}" if param else str(cause.name)
-            return ApiError(400, str(cause), "unsupported_parameter", field).response()
-        text = str(first.get("msg")).removeprefix("Value error, ")
-        msg = f"{param}: {text}" if param else text
-        return ApiError(400, msg, "invalid_request", param).response()
+        return validation_api_error(list(exc.errors())).response()
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

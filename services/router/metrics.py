@@ -45,3 +45,12 @@ WAIT_SECONDS = Histogram(
     "Time a request waited for a worker to come to its pool",
     buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60),
 )
+BATCH_HELD = Counter(
+    "strait_router_batch_held_total",
+    "priority batch requests held because their pool had no room (router.batch_hold_max_s)",
+)
+BATCH_HOLD_SECONDS = Histogram(
+    "strait_router_batch_hold_seconds",
+    "Time a held batch request waited for room in its pool",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
+)

@@ -347,6 +347,49 @@ class Router:
             )
         return decision
 
+    def batch_room(self, pool: str) -> bool:
+        """Interactive work leaves room in ``pool`` for a batch request: no request waits in
+        its workers (beats) and more than ``batch.reserve_slots`` slots are free, counting
+        the assignments made since the last beats. No live worker: ``decide`` answers."""
+        workers = self.registry.live(pool)
+        if not workers:
+            return True
+        waiting = sum(w.beat.waiting for w in workers)
+        free = sum(w.beat.capacity - w.beat.running - len(w.pending_at) for w in workers)
+        return waiting == 0 and free > self.settings.batch.reserve_slots
+
+    async def hold_batch(
+        self,
+        req: GenerateRequest,
+        keepalive: Callable[[], Awaitable[None]] | None = None,
+        held: asyncio.Semaphore | None = None,
+    ) -> None:
+        """Hold a ``priority: "batch"`` request (unacked, kept alive) while its pool has no
+        room for it (``batch_room``), up to ``router.batch_hold_max_s``; its decision slot is
+        given back meanwhile. The engine's scheduler still runs interactive work first and
+        preempts batch work; this keeps batch requests from queueing ahead of the next
+        interactive arrivals in the first place."""
+        choice = self.choose_pool(req)
+        if choice is None or self.batch_room(choice.pool):
+            return
+        metrics.BATCH_HELD.inc()
+        t0 = last_keepalive = time.monotonic()
+        if held is not None:
+            held.release()
+        try:
+            while not self.batch_room(choice.pool):
+                now = time.monotonic()
+                if now - t0 >= self.cfg.batch_hold_max_s:
+                    return
+                if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
+                    last_keepalive = now
+                    await keepalive()
+                await asyncio.sleep(self.cfg.sweep_interval_s)
+        finally:
+            if held is not None:
+                await held.acquire()
+            metrics.BATCH_HOLD_SECONDS.observe(time.monotonic() - t0)
+
     # ------------------------------------------------------------ one message
 
     async def handle(self, msg: Msg) -> None:
@@ -411,7 +454,10 @@ class Router:
         """Decide (waiting for a worker that is coming), then offer ``req`` to the ranked
         workers until one accepts. ``on_accepted`` runs the moment one does (``handle`` acks
         the JetStream message there, so a router that dies after the placement does not have
-        it redelivered); ``keepalive`` and ``held`` for a wait (``decide_waiting``)."""
+        it redelivered); ``keepalive`` and ``held`` for a wait (``decide_waiting``, and a batch
+        request's ``hold_batch``)."""
+        if attempt == 1 and req.priority == "batch":
+            await self.hold_batch(req, keepalive, held)
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":

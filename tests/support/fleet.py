@@ -65,6 +65,8 @@ class InProcessFleet:
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _ctxs: list[ServiceContext] = field(default_factory=list)
     _servers: list[uvicorn.Server] = field(default_factory=list)
+    # The FastAPI app of each gateway started here (its state: fleet, stores, batch runner).
+    apps: list[Any] = field(default_factory=list)
     # A secured fleet's team client (tests/support/secure.py): nats-py connect options and
     # the team's seed file; empty on the embedded server.
     client_options: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +130,7 @@ class InProcessFleet:
         s = self.settings.model_copy(deep=True)
         s.gateway.port = port
         app = create_app(s, **create_kwargs)
+        self.apps.append(app)
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
         )

@@ -1,0 +1,447 @@
+"""OpenAI's Files and Batch APIs: ``/v1/files`` and ``/v1/batches`` (docs/gateway.md#batch-api).
+
+``POST /v1/files`` keeps a JSONL file (purpose ``batch``) in the database; ``POST /v1/batches``
+checks every line of it, writes the batch row, then publishes one ``BatchLine`` a line on the
+JetStream batch stream under ``Nats-Msg-Id`` ``<batch_id>:<index>`` and moves the batch to
+``in_progress``. The batch runner (``batch_runner.py``) answers the lines; this module reads
+the rows it leaves. A batch found ``validating`` later (this process died publishing) is
+published again by a runner's sweep (``publish_lines`` is idempotent).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import UTC, datetime
+from email.parser import BytesParser
+from email.policy import HTTP
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from nats.js import JetStreamContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from libs.db.batches import BatchStore, Page
+from libs.db.models import BatchRow, StoredFile
+from libs.nats_util import batch_stream_config, ensure_stream, publish_acked
+from libs.protocol import BatchLine, Subjects, encode
+from libs.settings import Settings
+from services.gateway.deps import KeyDep
+from services.gateway.errors import ApiError
+
+# The endpoints a batch may run, as OpenAI names them.
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# OpenAI's one completion window; the fleet cannot promise another.
+COMPLETION_WINDOW = "24h"
+# The purposes of files this gateway keeps (uploads), and of the files it writes.
+UPLOAD_PURPOSES = ("batch",)
+OUTPUT_PURPOSE = "batch_output"
+# OpenAI's list pages: default and largest `limit`.
+LIST_LIMIT_DEFAULT = 20
+LIST_LIMIT_MAX = 100
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    # Refused when set: nothing here expires output files.
+    output_expires_after: Any = None
+
+
+def file_object(f: StoredFile) -> dict[str, Any]:
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.size,
+        "created_at": unix(f.created_at),
+        "expires_at": None,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+    }
+
+
+def batch_object(b: BatchRow) -> dict[str, Any]:
+    body = b.body
+    return {
+        "id": b.id,
+        "object": "batch",
+        "endpoint": b.endpoint,
+        "errors": body.get("errors"),
+        "input_file_id": b.input_file_id,
+        "completion_window": COMPLETION_WINDOW,
+        "status": b.status,
+        "output_file_id": b.output_file_id,
+        "error_file_id": b.error_file_id,
+        "created_at": unix(b.created_at),
+        "in_progress_at": body.get("in_progress_at"),
+        "expires_at": body.get("expires_at"),
+        "finalizing_at": body.get("finalizing_at"),
+        "completed_at": body.get("completed_at"),
+        "failed_at": body.get("failed_at"),
+        "expired_at": body.get("expired_at"),
+        "cancelling_at": body.get("cancelling_at"),
+        "cancelled_at": body.get("cancelled_at"),
+        "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
+        "metadata": body.get("metadata"),
+    }
+
+
+def unix(t: datetime) -> int:
+    """Unix seconds of a stored time (SQLite gives it back without its zone: UTC)."""
+    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp())
+
+
+def page_object(page: Page, shape: Any) -> dict[str, Any]:
+    data = [shape(r) for r in page.rows]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": page.has_more,
+    }
+
+
+def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """A ``multipart/form-data`` body's fields: name → (filename, bytes)."""
+    if not content_type.startswith("multipart/form-data"):
+        raise ApiError(400, "send the file as multipart/form-data", "invalid_request", "file")
+    head = f"Content-Type: {content_type}\r\n\r\n".encode()
+    msg = BytesParser(policy=HTTP).parsebytes(head + body)
+    if not msg.is_multipart():
+        raise ApiError(400, "the multipart body could not be read", "invalid_request", "file")
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            continue
+        data = part.get_payload(decode=True)
+        fields[name] = (part.get_filename(), data if isinstance(data, bytes) else b"")
+    return fields
+
+
+def check_lines(
+    content: bytes, endpoint: str, max_lines: int
+) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+    """The input file's lines as ``BatchLine``s (batch id left empty), and OpenAI-shaped
+    errors (``code``, ``line`` 1-based, ``message``, ``param``) for lines that cannot run."""
+    lines: list[BatchLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def bad(n: int, code: str, message: str, param: str | None = None) -> None:
+        errors.append({"code": code, "line": n, "message": message, "param": param})
+
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        bad(1, "invalid_json_line", "the file is not UTF-8")
+        return lines, errors
+    rows = [(i + 1, raw) for i, raw in enumerate(text.splitlines()) if raw.strip()]
+    if not rows:
+        bad(1, "empty_file", "the input file has no lines")
+    if len(rows) > max_lines:
+        bad(1, "too_many_lines", f"{len(rows)} lines, over batch.max_lines ({max_lines})")
+        return lines, errors
+    for n, raw in rows:
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            bad(n, "invalid_json_line", f"line {n} is not JSON: {e.msg}")
+            continue
+        if not isinstance(obj, dict):
+            bad(n, "invalid_json_line", f"line {n} is not a JSON object")
+            continue
+        unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+        custom_id, method, url, body = (
+            obj.get("custom_id"),
+            obj.get("method"),
+            obj.get("url"),
+            obj.get("body"),
+        )
+        if unknown:
+            bad(n, "invalid_request", f"unknown field {unknown[0]!r}", unknown[0])
+        elif not isinstance(custom_id, str) or not custom_id:
+            bad(
+                n, "missing_required_parameter", "custom_id must be a non-empty string", "custom_id"
+            )
+        elif custom_id in seen:
+            bad(n, "duplicate_custom_id", f"custom_id {custom_id!r} is used twice", "custom_id")
+        elif method != "POST":
+            bad(n, "invalid_method", "method must be POST", "method")
+        elif url != endpoint:
+            bad(n, "mismatched_endpoint", f"url must be the batch's endpoint {endpoint}", "url")
+        elif not isinstance(body, dict):
+            bad(n, "invalid_request", "body must be a JSON object", "body")
+        else:
+            seen.add(custom_id)
+            lines.append(
+                BatchLine(batch_id="-", index=len(lines), custom_id=custom_id, url=url, body=body)
+            )
+    return lines, errors
+
+
+async def publish_lines(
+    js: JetStreamContext, settings: Settings, store: BatchStore, batch: BatchRow
+) -> bool:
+    """Publish every line of ``batch`` (each under its own Nats-Msg-Id, so a repeat is stored
+    once) and move it to in_progress. False: the batch was no longer validating."""
+    f = await store.get_file(batch.input_file_id, batch.api_key_id)
+    if f is None:
+        return await store.set_status(
+            batch.id,
+            "failed",
+            ["validating"],
+            errors=_errors(
+                [
+                    {
+                        "code": "file_not_found",
+                        "line": None,
+                        "message": "input file deleted",
+                        "param": None,
+                    }
+                ]
+            ),
+        )
+    lines, _ = check_lines(f.content, batch.endpoint, settings.batch.max_lines)
+    subject = Subjects(settings.nats.subject_prefix).batch(batch.id)
+    g = settings.gateway
+    for line in lines:
+        line.batch_id = batch.id
+        await publish_acked(
+            js,
+            subject,
+            encode(line),
+            f"{batch.id}:{line.index}",
+            g.publish_ack_timeout_s,
+            g.publish_attempts,
+        )
+    return await store.set_status(batch.id, "in_progress", ["validating"])
+
+
+def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": data}
+
+
+def install_batch_routes(app: FastAPI, settings: Settings) -> None:
+    """The Files and Batch routes; ``app.state.batches`` is the ``BatchStore`` (the lifespan
+    sets it; None without a database: every route is a 400 naming the reason)."""
+    g, b = settings.gateway, settings.batch
+
+    def store() -> BatchStore:
+        s: BatchStore | None = app.state.batches
+        if s is None:
+            raise ApiError(
+                400,
+                "files and batches need the database (gateway.ledger_enabled or gateway.store_responses)",
+                "invalid_request",
+            )
+        return s
+
+    def limit_of(limit: int | None) -> int:
+        n = LIST_LIMIT_DEFAULT if limit is None else limit
+        if not 1 <= n <= LIST_LIMIT_MAX:
+            raise ApiError(
+                400, f"limit must be between 1 and {LIST_LIMIT_MAX}", "invalid_request", "limit"
+            )
+        return n
+
+    # ------------------------------------------------------------ files
+
+    @app.post("/v1/files")
+    async def create_file(request: Request, key: KeyDep) -> dict[str, Any]:
+        fields = parse_multipart(request.headers.get("content-type", ""), await request.body())
+        unknown = sorted(set(fields) - {"file", "purpose"})
+        if unknown:
+            name = unknown[0]
+            if name.startswith("expires_after"):
+                raise ApiError(
+                    400,
+                    "files here do not expire; expires_after is not supported",
+                    "unsupported_parameter",
+                    name,
+                )
+            raise ApiError(
+                400, f"Unrecognized request argument supplied: {name}", "invalid_request", name
+            )
+        if "file" not in fields:
+            raise ApiError(400, "file is required", "missing_required_parameter", "file")
+        purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
+        if purpose not in UPLOAD_PURPOSES:
+            raise ApiError(
+                400,
+                f"purpose {purpose!r} is not supported here; files are for the Batch API (purpose 'batch')",
+                "unsupported_parameter" if purpose else "missing_required_parameter",
+                "purpose",
+            )
+        filename, content = fields["file"]
+        if not content:
+            raise ApiError(400, "the file is empty", "invalid_request", "file")
+        row = await store().put_file(
+            new_id("file-"), key.key_id, purpose, filename or "upload.jsonl", content
+        )
+        return file_object(row)
+
+    @app.get("/v1/files")
+    async def list_files(
+        key: KeyDep,
+        purpose: str | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+        order: str = "desc",
+    ) -> dict[str, Any]:
+        if order != "desc":
+            raise ApiError(
+                400, "only order=desc (newest first) is supported", "unsupported_parameter", "order"
+            )
+        page = await store().list_files(key.key_id, purpose, limit_of(limit), after)
+        return page_object(page, file_object)
+
+    async def owned_file(file_id: str, key_id: str) -> StoredFile:
+        f = await store().get_file(file_id, key_id)
+        if f is None:
+            raise ApiError(404, f"No such File object: {file_id}", "not_found", "id")
+        return f
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, key: KeyDep) -> dict[str, Any]:
+        return file_object(await owned_file(file_id, key.key_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, key: KeyDep) -> Response:
+        f = await owned_file(file_id, key.key_id)
+        return Response(f.content, media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, key: KeyDep) -> dict[str, Any]:
+        if not await store().delete_file(file_id, key.key_id):
+            raise ApiError(404, f"No such File object: {file_id}", "not_found", "id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ------------------------------------------------------------ batches
+
+    @app.post("/v1/batches")
+    async def create_batch(body: BatchCreate, key: KeyDep) -> dict[str, Any]:
+        if body.output_expires_after is not None:
+            raise ApiError(
+                400,
+                "output files here do not expire; output_expires_after is not supported",
+                "unsupported_parameter",
+                "output_expires_after",
+            )
+        if body.completion_window != COMPLETION_WINDOW:
+            raise ApiError(
+                400,
+                f"completion_window {body.completion_window!r} cannot be met; the only window is {COMPLETION_WINDOW!r}",
+                "invalid_request",
+                "completion_window",
+            )
+        if body.endpoint not in BATCH_ENDPOINTS:
+            raise ApiError(
+                400,
+                f"endpoint {body.endpoint!r} is not served for batches; use one of {', '.join(BATCH_ENDPOINTS)}",
+                "unsupported_parameter",
+                "endpoint",
+            )
+        f = await store().get_file(body.input_file_id, key.key_id)
+        if f is None:
+            raise ApiError(
+                404, f"No such File object: {body.input_file_id}", "not_found", "input_file_id"
+            )
+        if f.purpose != "batch":
+            raise ApiError(
+                400,
+                f"file {f.id} has purpose {f.purpose!r}, not 'batch'",
+                "invalid_request",
+                "input_file_id",
+            )
+        lines, errors = check_lines(f.content, body.endpoint, b.max_lines)
+        now = time.time()
+        row = BatchRow(
+            id=new_id("batch_"),
+            api_key_id=key.key_id,
+            team=key.team,
+            endpoint=body.endpoint,
+            input_file_id=f.id,
+            status="validating",
+            total=len(lines),
+            completed=0,
+            failed=0,
+            body={"metadata": body.metadata, "expires_at": int(now + b.window_s)},
+            created_at=datetime.fromtimestamp(now, UTC),
+        )
+        if errors:
+            row.status, row.total = "failed", 0
+            listed = errors[: b.max_errors_listed]
+            row.body = {**row.body, "failed_at": int(now), "errors": _errors(listed)}
+            await store().add_batch(row)
+            return batch_object(row)
+        await store().add_batch(row)
+        js: JetStreamContext | None = app.state.fleet.js
+        if js is None:
+            raise ApiError(503, "the serving fleet is unavailable; retry shortly", "no_worker")
+        await ensure_stream(js, batch_stream_config(settings.nats, b.window_s, b.dedupe_window_s))
+        try:
+            await publish_lines(js, settings, store(), row)
+        except Exception as e:
+            # The batch stays validating; a runner's sweep publishes it again.
+            raise ApiError(
+                503,
+                f"could not queue the batch's lines ({e!r}); it is retried",
+                "no_worker",
+                retry_after_s=g.retry_after_s,
+            ) from e
+        got = await store().get_batch(row.id, key.key_id)
+        assert got is not None
+        return batch_object(got)
+
+    @app.get("/v1/batches")
+    async def list_batches(
+        key: KeyDep, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]:
+        page = await store().list_batches(key.key_id, limit_of(limit), after)
+        return page_object(page, batch_object)
+
+    async def owned_batch(batch_id: str, key_id: str) -> BatchRow:
+        row = await store().get_batch(batch_id, key_id)
+        if row is None:
+            raise ApiError(404, f"No such Batch object: {batch_id}", "not_found", "batch_id")
+        return row
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, key: KeyDep) -> dict[str, Any]:
+        return batch_object(await owned_batch(batch_id, key.key_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, key: KeyDep) -> dict[str, Any]:
+        row = await owned_batch(batch_id, key.key_id)
+        if row.status in ("cancelling", "cancelled"):
+            return batch_object(row)
+        if not await store().set_status(batch_id, "cancelling", ["validating", "in_progress"]):
+            raise ApiError(
+                409,
+                f"Cannot cancel a batch with status {row.status!r}.",
+                "invalid_request",
+                "batch_id",
+            )
+        js: JetStreamContext | None = app.state.fleet.js
+        if js is not None:
+            # Lines not yet taken leave the stream; a runner finalizes the batch (cancelled,
+            # with the files of the lines answered) once none of its lines is in flight.
+            try:
+                subject = Subjects(settings.nats.subject_prefix).batch(batch_id)
+                await js.purge_stream(settings.nats.batch_stream, subject=subject)
+            except Exception:
+                pass  # the runner skips a cancelled batch's lines anyway
+        return batch_object(await owned_batch(batch_id, key.key_id))

@@ -1,0 +1,87 @@
+"""OpenAI request bodies → ``GenerateRequest``: the one place a chat or text completion body
+becomes the fleet's request (the HTTP routes and the batch runner both call it)."""
+
+from __future__ import annotations
+
+from libs.protocol import GenerateRequest, Priority, SamplingParams
+from services.gateway.auth import KeyInfo
+from services.gateway.errors import ApiError
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+# Output tokens when the client sets no limit (OpenAI's completions default is 16; chat's is
+# "until the context ends", which we bound).
+DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_TEXT_MAX_TOKENS = 16
+# Rough characters per token, to reserve a prompt's tokens before the worker counts them.
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(req: GenerateRequest) -> int:
+    if req.prompt_token_ids is not None:
+        prompt = len(req.prompt_token_ids)
+    else:
+        text = (
+            req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        )
+        prompt = len(text) // CHARS_PER_TOKEN + 1
+    return prompt + req.sampling.max_tokens * req.sampling.n
+
+
+def sampling_of(
+    body: ChatCompletionRequest | CompletionRequest, default_max: int
+) -> SamplingParams:
+    """The body's sampling parameters; a constraint that cannot be read is a 400 on its field."""
+    try:
+        return body.sampling(default_max, body.logprobs_n())
+    except ValueError as e:
+        param = "response_format" if body.response_format else "structured_outputs"
+        raise ApiError(400, str(e), "invalid_request", param) from None
+
+
+def chat_request(
+    body: ChatCompletionRequest, key: KeyInfo, request_id: str, priority: Priority
+) -> GenerateRequest:
+    try:
+        messages = body.wire_messages()
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_request", "messages") from None
+    tools, tool_choice, tool_name = body.wire_tools()
+    return GenerateRequest(
+        request_id=request_id,
+        model=body.model,
+        messages=messages,
+        sampling=sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
+        priority=priority,
+        api_key_id=key.key_id,
+        team=key.team,
+        user=body.user,
+        want_route=True,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
+
+
+def text_request(
+    body: CompletionRequest, key: KeyInfo, request_id: str, priority: Priority
+) -> GenerateRequest:
+    prompt, ids = None, None
+    if isinstance(body.prompt, str):
+        prompt = body.prompt
+    elif isinstance(body.prompt[0], str):
+        prompt = str(body.prompt[0])
+    else:
+        ids = [int(x) for x in body.prompt]
+    return GenerateRequest(
+        request_id=request_id,
+        model=body.model,
+        prompt=prompt,
+        prompt_token_ids=ids,
+        sampling=sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
+        priority=priority,
+        api_key_id=key.key_id,
+        team=key.team,
+        user=body.user,
+        want_route=True,
+    )
