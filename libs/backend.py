@@ -97,6 +97,10 @@ class LoadInfo:
     kv_blocks_free: int = 0
     capacity: int = 0  # max running sequences
     block_size: int = 16
+    # The running decode rows' predicted step time over the ITL target (engine.itl_target_ms):
+    # at 1 they alone fill it, and every prompt this worker takes runs at the floor of
+    # min_prefill_tokens a step. 0: no target, or no fit yet.
+    step_load: float = 0.0
     # Chain hashes stored/evicted since the last call (drained by the worker into KvEvents).
     stored_hashes: list[int] = field(default_factory=list)
     evicted_hashes: list[int] = field(default_factory=list)

@@ -45,9 +45,14 @@ class WorkerView:
 
     @property
     def load(self) -> float:
-        """Decode load: sequences held (running + waiting + pending) over the worker's capacity."""
-        b = self.beat
-        return (b.running + b.waiting + len(self.pending_at)) / max(b.capacity, 1)
+        """Decode load: sequences held (running + waiting + pending) over the worker's
+        capacity, or its decode rows' step time over its ITL target when that is higher."""
+        return held_load(self.beat, len(self.pending_at))
+
+
+def held_load(b: WorkerBeat, pending: int) -> float:
+    """:attr:`WorkerView.load` of a beat and the assignments it may not count yet."""
+    return max((b.running + b.waiting + pending) / max(b.capacity, 1), b.step_load)
 
 
 class WorkerRegistry:

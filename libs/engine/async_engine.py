@@ -549,6 +549,7 @@ class AsyncEngineBackend:
             kv_blocks_free=engine.pool.num_free,
             capacity=self.settings.max_num_seqs,
             block_size=self.settings.block_size,
+            step_load=engine.step_load(),
         )
 
 

@@ -105,8 +105,14 @@ class LLMEngine:
             argmax=kernels.argmax_rows if kernels is not None else None,
             mask=kernels.mask_rows if kernels is not None else None,
         )
-        limit = self.runner.shape.max_position_embeddings or settings.max_model_len
-        self.max_model_len = min(settings.max_model_len, limit)
+        self.max_model_len = self.runner.shape.context_limit(settings.max_model_len)
+        if self.max_model_len < settings.max_model_len and self.runner.shape.sliding_window:
+            log.info(
+                "context limited to %d tokens, the model's sliding window (engine.max_model_len "
+                "is %d)",
+                self.max_model_len,
+                settings.max_model_len,
+            )
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.grammars: Grammars | None = None
         if tokenizer is not None:
@@ -292,6 +298,17 @@ class LLMEngine:
         # The whole step (forward, sampling, the device's sync): what a stream waits for.
         self._observe(sched, time.perf_counter() - started)
         return outputs
+
+    def step_load(self) -> float:
+        """The running decode rows' predicted step time over the ITL target (0: no target or
+        no fit yet); the worker's beat carries it (``LoadInfo.step_load``)."""
+        target = self.scheduler.itl_target_s
+        if target <= 0:
+            return 0.0
+        running = self.scheduler.running
+        rows = sum(1 + len(s.spec_tokens) for s in running if s.num_uncomputed_tokens == 1)
+        predicted = self.step_cost.decode.predict(rows)
+        return 0.0 if predicted is None else predicted / target
 
     def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
         self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens, seconds)

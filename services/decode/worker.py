@@ -567,6 +567,7 @@ class Worker:
             block_size=load.block_size,
             max_model_len=self.backend.max_model_len,
             draining=self.draining,
+            step_load=load.step_load,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from libs.registry import WorkerView
+from libs.registry import WorkerView, held_load
 
 
 @dataclass(slots=True)
@@ -67,9 +67,7 @@ def rank(
     for i, v in enumerate(workers):
         b = v.beat
         cached = min(overlaps.get(b.worker_id, 0) * b.block_size, prompt_tokens)
-        load = (
-            weights.load_weight * (b.running + b.waiting + len(v.pending_at)) / max(b.capacity, 1)
-        )
+        load = weights.load_weight * held_load(b, len(v.pending_at))
         scored.append((prefill_per_token * (prompt_tokens - cached) + load, i))
     scored.sort()
     best = scored[0][0]

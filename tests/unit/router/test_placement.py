@@ -61,3 +61,18 @@ def test_near_ties_are_chosen_at_random_and_clear_winners_are_not() -> None:
     assert {rank(near, 10, {}, W, rng)[0].worker.worker_id for _ in range(200)} == {"a", "b"}
     far = [view("a", running=0), view("b", running=1)]
     assert {rank(far, 10, {}, W, rng)[0].worker.worker_id for _ in range(200)} == {"a"}
+
+
+def test_a_worker_whose_decode_rows_fill_its_itl_target_counts_as_loaded() -> None:
+    """Few sequences but a step already at the pool's ITL target (engine.itl_target_ms): a new
+    prompt there would run at the floor of min_prefill_tokens a step; the idler worker wins."""
+    import msgspec
+
+    saturated = msgspec.structs.replace(beat("busy", running=2), step_load=1.2)
+    views = [
+        WorkerView(beat=saturated, seen_at=0.0),
+        WorkerView(beat=beat("idle", running=6), seen_at=0.0),
+    ]
+    assert views[0].load == pytest.approx(1.2) and views[1].load == pytest.approx(0.6)
+    ranked = rank(views, 100, {}, CostWeights(), random.Random(0))
+    assert [p.worker.worker_id for p in ranked] == ["idle", "busy"]
