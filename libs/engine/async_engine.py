@@ -37,6 +37,7 @@ from libs.engine import metrics
 from libs.engine.chat import ChatRenderer
 from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.kv_transfer import KvBlocks
+from libs.engine.model_runner import ModelShape
 from libs.protocol import ChatMessage, Priority, SamplingParams
 from libs.settings import EngineSettings, PoolSettings, Settings, model_identity
 from libs.tools import ToolSpec
@@ -161,8 +162,8 @@ class AsyncEngineBackend:
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         text_config = config.get_text_config()
         self.vocab_size: int = text_config.vocab_size
-        limit = getattr(text_config, "max_position_embeddings", 0) or settings.max_model_len
-        self.max_model_len: int = min(settings.max_model_len, limit)
+        # The engine's own limit (ModelShape.context_limit: positions, sliding window).
+        self.max_model_len: int = ModelShape.of(config).context_limit(settings.max_model_len)
         self.chat = ChatRenderer(self.tokenizer)
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None

@@ -55,11 +55,19 @@ class ModelShape:
     num_heads: int
     vocab_size: int
     max_position_embeddings: int
+    # Keys a sliding-window layer sees (Gemma 3's local layers, Mistral's), 0 when no layer
+    # has a window. The paged kernels attend to the whole context, which equals the window's
+    # answer only while a sequence fits in the window: see :meth:`context_limit`.
+    sliding_window: int = 0
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = c.num_attention_heads
+        window = getattr(c, "sliding_window", None) or 0
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            window = 0  # a window in the config that no layer uses
         return cls(
             num_layers=c.num_hidden_layers,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
@@ -67,6 +75,18 @@ class ModelShape:
             num_heads=heads,
             vocab_size=c.vocab_size,
             max_position_embeddings=getattr(c, "max_position_embeddings", 0) or 0,
+            sliding_window=int(window),
+        )
+
+    def context_limit(self, max_model_len: int) -> int:
+        """The longest sequence (prompt + output) served: ``max_model_len`` within the model's
+        positions and, for a model with sliding-window layers, within the window (beyond it
+        those layers would see keys the model never saw together; windowed kernels would lift
+        this)."""
+        return min(
+            max_model_len,
+            self.max_position_embeddings or max_model_len,
+            self.sliding_window or max_model_len,
         )
 
 
@@ -285,8 +305,7 @@ class ModelRunner:
             def forward(**inputs: Any) -> Any:
                 return compiled(self.model, **inputs)
 
-        limit = self.shape.max_position_embeddings or settings.max_model_len
-        max_len = min(settings.max_model_len, limit)
+        max_len = self.shape.context_limit(settings.max_model_len)
         # The buckets up to the first that holds max_num_seqs rows (or max_num_seqs itself).
         n_max = settings.max_num_seqs
         sizes = sorted(n for n in settings.cuda_graph_batch_sizes if n < n_max)

@@ -27,8 +27,18 @@ def is_converted(out_dir: Path) -> bool:
     return (out_dir / DONE_MARKER).exists() and (out_dir / "config.json").exists()
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    chat_template: str | None = None,
+    stop_tokens: tuple[str, ...] = (),
+) -> Path:
     """Convert ``gguf_path`` into ``out_dir`` (fp32 safetensors + config + tokenizer files).
+
+    ``chat_template`` is saved with the tokenizer when the GGUF ships none; ``stop_tokens``
+    join EOS in the generation config (the engine ends a sequence on any of them).
 
     Writes into a temporary sibling directory and renames it at the end, so a crash never leaves
     a half-written model that looks complete. Returns ``out_dir``.
@@ -76,7 +86,20 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
 
         bar.set_postfix_str(steps[3])
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if chat_template is not None and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(tmp)
+        if stop_tokens:
+            gen = plain.generation_config
+            eos = gen.eos_token_id
+            ids = [eos] if isinstance(eos, int) else list(eos or [])
+            for token in stop_tokens:
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+                    raise ValueError(f"{gguf_path.name}'s vocabulary has no {token!r}")
+                ids.append(token_id)
+            gen.eos_token_id = sorted(set(ids))
+            gen.save_pretrained(tmp)
         (Path(tmp) / DONE_MARKER).write_text(f"source={gguf_path}\n")
         bar.update()
 

