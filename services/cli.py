@@ -77,10 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="prepare local models").add_subparsers(
         dest="action", required=True
     )
-    mp = models.add_parser("prepare", help="convert a known model once into the models dir")
-    mp.add_argument(
-        "name", nargs="?", default=None, help="model name (default: every pool's model)"
+    mp = models.add_parser(
+        "prepare", help="install (if missing) and convert known models once into the models dir"
     )
+    mp.add_argument("names", nargs="*", help="model names (default: every engine pool's model)")
     mc = models.add_parser("convert", help="convert a GGUF file to a safetensors directory")
     mc.add_argument("gguf")
     mc.add_argument("out")
@@ -195,11 +195,7 @@ def _models(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     if args.action == "prepare":
-        names = (
-            [args.name]
-            if args.name
-            else sorted({p.model for p in settings.pools if p.backend == "engine"})
-        )
+        names = args.names or sorted({p.model for p in settings.pools if p.backend == "engine"})
         for name in names:
             print(f"{name}: {models.prepare_model(name, settings)}")
     elif args.action == "convert":
