@@ -12,8 +12,9 @@ ignore_eos), and the run is measured:
   requests waiting, ceil(waiting / ``--reactive-queue``), as KEDA's lag trigger sizes;
 - ``planner``: ``strait planner`` (forecast, queue and SLO terms), docs/planner.md.
 
-Both scaling modes start at one worker, keep ``--standby`` warm standby workers (so the two
-differ by their policy, not their start-up), and share bounds and cooldowns. A fleet sized
+Both scaling modes start at the fleet sized for the trace's first ``--window-s`` (as a planner
+that had been running would be; one worker for every trace but steady), keep ``--standby`` warm
+standby workers (so the two differ by their policy, not their start-up), and share bounds and cooldowns. A fleet sized
 "for" a rate has ceil(rate / (worker_rps x planner.target_utilization)) workers, worker_rps
 from the calibrated costs at ``--slots`` rows (``sizing``).
 
@@ -222,9 +223,10 @@ def run_one(
     sizing: Sizing,
     peak_n: int,
     mean_n: int,
+    first_n: int,
 ) -> Run:
     scaling = mode in ("reactive", "planner")
-    workers = {"peak": peak_n, "mean": mean_n}.get(mode, 1)
+    workers = {"peak": peak_n, "mean": mean_n}.get(mode, first_n)
     standby = min(args.standby, peak_n - 1) if scaling else 0
     tmp = Path(tempfile.mkdtemp(prefix=f"strait-as-{trace}-{mode}-"))
     (tmp / "strait.toml").write_text(
@@ -483,12 +485,15 @@ def main(argv: list[str] | None = None) -> int:
         peak, mean = peak_and_mean(items, args.window_s)
         peak_n = sizing.workers_for(peak, cfg.target_utilization)
         mean_n = sizing.workers_for(mean, cfg.target_utilization)
+        first = sum(a.t < args.window_s for a in items) / args.window_s
+        first_n = sizing.workers_for(first, cfg.target_utilization)
         burst = tuple(info["burst_s"]) if "burst_s" in info else None
         meta[trace] = {
             "peak_rps": peak,
             "mean_rps": mean,
             "peak_workers": peak_n,
             "mean_workers": mean_n,
+            "first_workers": first_n,
             **asdict(sizing),
         }
         print(
@@ -499,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         runs = []
         for mode in [m for m in args.modes.split(",") if m]:
-            run = run_one(args, trace, mode, items, cost, sizing, peak_n, mean_n)
+            run = run_one(args, trace, mode, items, cost, sizing, peak_n, mean_n, first_n)
             runs.append(run)
             s = summarize(run, slo, burst)  # type: ignore[arg-type]
             summaries.append(s)
