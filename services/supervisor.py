@@ -432,14 +432,22 @@ def dev_api_key(settings: Settings) -> str | None:
 
 
 def wait_ready(settings: Settings, fleet: Fleet) -> bool:
+    """True once the gateway is ready and every worker `strait up` started beats (standbys
+    never do), so that a pool still loading (two-pools.toml's large one) does not make `auto`
+    spill its hard requests to the other pool just after "fleet ready"; with the planner on, once
+    the gateway is ready (it sizes the pools itself)."""
     url = f"http://{settings.gateway.host}:{settings.gateway.port}/ready"
+    workers = sum(1 for c in fleet.children if c.role and not c.standby)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         fleet.watch()
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            r = httpx.get(url, timeout=1.0)
+            if r.status_code == 200 and (
+                settings.planner.enabled or int(r.json().get("live_workers", 0)) >= workers
+            ):
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     return False
