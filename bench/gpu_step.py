@@ -230,6 +230,7 @@ def make_engine(args: argparse.Namespace, variant: str, device: torch.device) ->
         assert engine.runner.graphs is not None
         # The runner's cache exists only now: swap the capture before the first graph.
         engine.runner.graphs.capture = reduce_overhead_capture(engine.runner.kv_cache.data)
+        engine.runner.graphs.graphs.clear()  # the start's captures were eager ones
         return engine, model
     return LLMEngine(model, None, settings, "bench", graph_capture=capture), model
 

@@ -149,6 +149,14 @@ class DecodeGraphs:
         w = width_bucket(width, self.max_width)
         return None if r is None or w is None else (r, w)
 
+    def warm_up(self) -> None:
+        """Capture the graphs of the two smallest batch sizes at the narrowest width before
+        serving: the first capture of a compiled forward compiles it (one row is its own
+        compile, two and more share one), which would otherwise stall the first request."""
+        for rows in self.batch_sizes[:2]:
+            if (rows, 2) not in self.graphs:
+                self._capture(rows, 2)
+
     def run(
         self,
         input_ids: list[int],

@@ -328,6 +328,14 @@ class ModelRunner:
             "compiled" if settings.compile else "eager",
             "Triton's paged" if use_triton else "gather + SDPA",
         )
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                graphs.warm_up()
+        except Exception:
+            log.exception("decode graphs did not capture at start; steps run eager")
+            graphs.failed = True
+        log.info("decode graphs: first captures in %.1f s", time.perf_counter() - t0)
         return graphs
 
     @torch.inference_mode()

@@ -140,8 +140,10 @@ def test_a_graph_is_captured_once_and_replayed() -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     run_engine(engine, [Submission(f"r{i}", [1, 2, 3, i], greedy) for i in range(2)])
     assert engine.runner.graphs is not None
-    # Two sequences of 4 + 6 tokens over blocks of 4: widths 2 then 3 (bucket 4).
-    assert calls == len(engine.runner.graphs.graphs) == 2
+    # Captured at start: (2, 2) and (8, 2). Two sequences of 4 + 6 tokens over blocks of 4:
+    # widths 2 (the start's graph) then 3 (bucket 4).
+    assert sorted(engine.runner.graphs.graphs) == [(2, 2), (2, 4), (8, 2)]
+    assert calls == 3
     assert engine.runner.graphs.replays == 5
 
 
