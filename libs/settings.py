@@ -447,8 +447,9 @@ class EngineSettings(BaseModel):
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     # On a CUDA device: steps whose every row is one decode token run as CUDA graphs, padded
     # to the next of `cuda_graph_batch_sizes` rows (and a power of two of block-table columns),
-    # each captured on its first use (libs/engine/cuda_graphs.py, decision 0018). With
-    # `compile` the captured forward is inductor's. Ignored on a CPU.
+    # captured as the engine starts (the two smallest) or on first use
+    # (libs/engine/cuda_graphs.py, decision 0018). With `compile` the captured forward is
+    # inductor's. Ignored on a CPU.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
