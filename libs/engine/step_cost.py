@@ -45,17 +45,24 @@ class StepCost:
         self.steps += 1
 
     def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before enough decode steps of at least two sizes."""
+        """(a, b), both >= 0, or None before enough decode steps of at least two sizes. A
+        step cannot cost less than nothing: when the free fit's intercept or slope comes out
+        negative (steps of few distinct sizes on a noisy machine), that term is held at 0 and
+        the other fitted alone (non-negative least squares)."""
         var = self.n * self.sxx - self.sx * self.sx
         if self.steps < STEP_COST_MIN_STEPS or var <= 1e-9 * self.n * self.n:
             return None
         b = (self.n * self.sxy - self.sx * self.sy) / var
         a = (self.sy - b * self.sx) / self.n
+        if a < 0:
+            return 0.0, max(self.sxy / self.sxx, 0.0)
+        if b < 0:
+            return self.sy / self.n, 0.0
         return a, b
 
     def predict(self, rows: int) -> float | None:
         ab = self.fit()
-        return None if ab is None else max(ab[0], 0.0) + max(ab[1], 0.0) * rows
+        return None if ab is None else ab[0] + ab[1] * rows
 
     def break_even(self, batch: int) -> float:
         """Acceptance rate above which proposing pays with ``batch`` sequences decoding."""
@@ -65,7 +72,7 @@ class StepCost:
         a, b = ab
         if b <= 0:
             return 0.0
-        return b * batch / (max(a, 0.0) + b * batch)  # > 0: b > 0 and batch > 0
+        return b * batch / (a + b * batch)  # > 0: b > 0 and batch > 0
 
 
 @dataclass(frozen=True, slots=True)

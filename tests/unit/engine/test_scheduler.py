@@ -167,3 +167,21 @@ def test_without_a_target_or_a_fit_the_fixed_chunks_apply() -> None:
     off.cost = fitted(0.010, 0.001, 0.0005)
     off.add(seq("long", 100))
     assert run(off) == {"long": 32}  # no target: the chunk, whatever the fit
+
+
+def test_the_decode_fit_never_goes_negative() -> None:
+    """Steps of few distinct sizes on a noisy machine can tilt a free fit below zero; a step
+    never costs less than nothing, so that term is held at 0 and the other fitted alone."""
+    from libs.engine.step_cost import StepCost
+
+    tilted = StepCost()
+    for i in range(STEP_COST_MIN_STEPS):  # the small batches unluckily fast: a free fit's a < 0
+        rows = 1 + i % 4
+        tilted.add(rows, 0.010 * rows - 0.005)
+    a, b = tilted.fit()  # type: ignore[misc]
+    assert a == 0 and b == pytest.approx(0.0083, rel=0.05)  # through the origin
+    flat = StepCost()
+    for i in range(STEP_COST_MIN_STEPS):  # more rows, less time: no per-row cost to see
+        flat.add(1 + i % 4, 0.020 - 0.001 * (i % 4))
+    a, b = flat.fit()  # type: ignore[misc]
+    assert b == 0 and a == pytest.approx(0.0185, rel=0.05)
