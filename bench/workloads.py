@@ -338,10 +338,14 @@ def _chat_with_background(rng: random.Random, words: int = CHAT_BACKGROUND_WORDS
     question = _chat_question(rng)
     sentences = [
         lambda: f"My name is {_person(rng)} and I live in {rng.choice(_CITIES)}.",
-        lambda: f"I work on the {rng.choice(_TEAMS)} team of a company of about "
-        f"{rng.randint(20, 900)} people.",
-        lambda: f"Last month I spent a weekend on {rng.choice(_ACTIVITIES)} and it went "
-        f"{rng.choice(('well', 'badly', 'better than expected'))}.",
+        lambda: (
+            f"I work on the {rng.choice(_TEAMS)} team of a company of about "
+            f"{rng.randint(20, 900)} people."
+        ),
+        lambda: (
+            f"Last month I spent a weekend on {rng.choice(_ACTIVITIES)} and it went "
+            f"{rng.choice(('well', 'badly', 'better than expected'))}."
+        ),
         lambda: f"A colleague told me to read about {rng.choice(_CONCEPTS)} first.",
         lambda: f"I tried to {rng.choice(_TASKS)} before, without much success.",
         lambda: rng.choice([c for c in _CONTEXTS if c]),
