@@ -277,7 +277,7 @@ class ModelRunner:
             log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
         if graph_capture is not None:
             self.graphs = self._decode_graphs(settings, graph_capture)
-        elif settings.compile:
+        elif settings.compile and self.aot is None and self.compiled is None:
             log.warning(
                 "engine.compile needs the CPU kernels, a float32 KV cache and 5 KV blocks; "
                 "running eager"
