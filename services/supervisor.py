@@ -181,8 +181,14 @@ class Fleet:
 
     def _start_nats(self, conf: Path, log_path: Path, host: str, port: int) -> None:
         log = open(log_path, "ab")
+        # A session of its own: the terminal's Ctrl-C reaches every process of the foreground
+        # group, and a nats-server that stopped with the others would make the router and the
+        # gateway fail their drain; stop_all stops it after them.
         self.nats_proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log
+            [nats_server_binary(), "-c", str(conf)],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 10
         while not port_open(host, port):
