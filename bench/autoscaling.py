@@ -140,6 +140,16 @@ class Run:
     standby: int = 0
 
 
+def oracle_worker_s(
+    items: list[traces.Arrival], sizing: Sizing, util: float, window_s: float
+) -> float:
+    """Worker-seconds of a fleet that knew each ``window_s`` window's rate in advance and had
+    exactly the workers it needs at the same sizing: the floor any sizing rule can reach
+    without giving up the SLO."""
+    series = traces.rate_series(items, window_s, items[-1].t)
+    return sum(sizing.workers_for(r, util) for r in series) * window_s
+
+
 def peak_and_mean(items: list[traces.Arrival], window_s: float) -> tuple[float, float]:
     """The trace's peak rate (highest ``window_s`` window) and mean rate."""
     end = items[-1].t
@@ -494,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
             "peak_workers": peak_n,
             "mean_workers": mean_n,
             "first_workers": first_n,
+            "oracle_worker_s": oracle_worker_s(
+                items, sizing, cfg.target_utilization, args.window_s
+            ),
             **asdict(sizing),
         }
         print(
