@@ -464,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         help="real workers of MODEL (engine backend, compile off) instead of FAKE ones, on a ramp "
         "made for them (--real-scale, --real-max-tokens); the sizing still uses the calibration",
     )
+    p.add_argument(
+        "--max-workers", type=int, default=0, help="bound of the scaling modes (0: peak)"
+    )
     p.add_argument("--real-scale", type=float, default=0.2, help="rate scale of the real ramp")
     p.add_argument("--real-max-tokens", default="16,64", help="max_tokens range of the real ramp")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -495,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, mean = peak_and_mean(items, args.window_s)
         peak_n = sizing.workers_for(peak, cfg.target_utilization)
         mean_n = sizing.workers_for(mean, cfg.target_utilization)
+        peak_n = args.max_workers or peak_n
         first = sum(a.t < args.window_s for a in items) / args.window_s
         first_n = sizing.workers_for(first, cfg.target_utilization)
         burst = tuple(info["burst_s"]) if "burst_s" in info else None
