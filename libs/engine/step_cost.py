@@ -114,9 +114,12 @@ class StepCostModel:
     ) -> PrefillBudget | None:
         """Prompt tokens a step with ``rows`` decode rows may carry to stay under
         ``target_s``: at least ``floor`` (prompts always progress), at most ``ceiling``; None
-        until the model has seen enough steps (the scheduler then uses its fixed chunks)."""
+        until the model has seen enough steps (the scheduler then uses its fixed chunks). A
+        step with no decode row keeps no stream waiting: it takes ``ceiling`` (TTFT)."""
         if not self.ready():
             return None
+        if rows == 0:
+            return PrefillBudget(ceiling)
         decode_s = self.decode.predict(rows)
         assert decode_s is not None  # ready() implies a fit
         room = target_s - decode_s

@@ -135,6 +135,8 @@ def test_the_step_cost_model_recovers_its_costs_and_budgets_prompt_tokens() -> N
     assert cost.prefill_budget(0.040, 10, 4, 25) == PrefillBudget(25)  # the ceiling
     assert cost.prefill_budget(0.021, 10, 4, 500) == PrefillBudget(4, "prefill_floor")
     assert cost.prefill_budget(0.015, 10, 4, 500) == PrefillBudget(4, "decode_rows")
+    # No decode row in the step: nobody waits on it, the whole ceiling goes to prompts.
+    assert cost.prefill_budget(0.015, 0, 4, 500) == PrefillBudget(500)
     assert StepCostModel().prefill_budget(0.040, 10, 4, 500) is None  # nothing seen yet
 
 
@@ -145,7 +147,7 @@ def test_an_itl_target_caps_each_steps_prompt_tokens_and_decode_rows_go_on() -> 
     s.cost = fitted(0.010, 0.001, 0.0005)
     for rid in "ab":
         s.add(seq(rid, 2))
-    assert run(s) == {"a": 2, "b": 2}  # 0 decode rows: 60 ms of room, 60 tokens allowed
+    assert run(s) == {"a": 2, "b": 2}  # 0 decode rows: no stream waits, no cap
     s.add(seq("long", 100, first=50))
     # Two decode rows (12 ms): 28 ms = 56 prompt tokens; then 56 again; the rest after.
     assert run(s) == {"a": 1, "b": 1, "long": 56}
