@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import random
 import signal
 import socket
 import sqlite3
@@ -138,6 +139,7 @@ class Run:
     beats: list[tuple[float, WorkerBeat]] = field(default_factory=list)
     ledger_ok: int = -1
     standby: int = 0
+    lead_ok: int = 0  # lead-in requests completed (in the ledger too)
 
 
 def oracle_worker_s(
@@ -158,10 +160,21 @@ def peak_and_mean(items: list[traces.Arrival], window_s: float) -> tuple[float, 
 
 
 async def replay(
-    url: str, prefix: str, items: list[traces.Arrival], run: Run, t0: float, settle_s: float
+    url: str,
+    prefix: str,
+    lead: list[traces.Arrival],
+    items: list[traces.Arrival],
+    run: Run,
+    lead_s: float,
+    settle_s: float,
 ) -> None:
+    """Send ``lead`` (unmeasured: the load the fleet was under before the trace, so the planner
+    has a history) over ``lead_s``, then ``items`` each at its time from the end of the lead,
+    measured; beats and decisions are timed from the trace's start."""
     nc = await connect(NatsSettings(url=url), "bench-autoscaling")
     subjects = Subjects(prefix)
+    start = time.monotonic() + 1.0
+    t0 = start + lead_s
 
     async def on_plan(msg: Any) -> None:
         run.plans.append((time.monotonic() - t0, msgspec.json.decode(msg.data, type=PlanDecision)))
@@ -171,11 +184,12 @@ async def replay(
 
     await nc.subscribe(subjects.plans_all, cb=on_plan)
     await nc.subscribe(subjects.beats_all, cb=on_beat)
-    prompts = traces.bench_requests(items)
+    prompts = traces.bench_requests(lead + items)
+    run.reqs = [Req(a.t) for a in items]
+    lead_reqs = [Req(a.t) for a in lead]
     async with StraitClient(url, prefix=prefix, report_usage=False) as client:
 
-        async def one(i: int, a: traces.Arrival) -> None:
-            r = run.reqs[i]
+        async def one(i: int, a: traces.Arrival, r: Req) -> None:
             sent = time.monotonic()
             last = sent
             try:
@@ -193,17 +207,34 @@ async def replay(
             except Exception:
                 r.ok = False
 
-        run.reqs = [Req(a.t) for a in items]
         tasks = []
-        start = time.monotonic()
-        for i, a in enumerate(items):
-            delay = start + a.t - time.monotonic()
+        schedule = [(start + a.t, a, r) for a, r in zip(lead, lead_reqs, strict=True)]
+        schedule += [(t0 + a.t, a, r) for a, r in zip(items, run.reqs, strict=True)]
+        for i, (at, a, r) in enumerate(schedule):
+            delay = at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, a)))
+            tasks.append(asyncio.create_task(one(i, a, r)))
         await asyncio.gather(*tasks)
+    run.lead_ok = sum(r.ok for r in lead_reqs)
     await asyncio.sleep(settle_s)
     await nc.drain()
+
+
+def lead_in(items: list[traces.Arrival], seconds: float, window_s: float) -> list[traces.Arrival]:
+    """``seconds`` of Poisson arrivals at the trace's first ``window_s`` rate, shaped like its
+    first requests: the load before the trace (empty for 0)."""
+    first = [a for a in items if a.t < window_s] or items[:1]
+    rate = len(first) / window_s
+    rng = random.Random(f"lead:{len(items)}:{seconds}")
+    out, t = [], 0.0
+    while seconds > 0 and rate > 0:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        shape = first[len(out) % len(first)]
+        out.append(traces.Arrival(t, shape.prompt_tokens, shape.max_tokens))
+    return out
 
 
 def free_port() -> int:
@@ -291,7 +322,8 @@ def run_one(
             time.sleep(0.2)
         # Let the planner's warm-up (two beat TTLs) pass before the trace starts.
         time.sleep(args.lead_s)
-        asyncio.run(replay(url, prefix, items, run, time.monotonic(), args.settle_s))
+        lead = lead_in(items, args.warm_s, args.window_s)
+        asyncio.run(replay(url, prefix, lead, items, run, args.warm_s, args.settle_s))
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -359,6 +391,7 @@ def summarize(run: Run, slo: PoolPlanSettings, burst: tuple[float, float] | None
         "not_whole": sum(not r.ok for r in run.reqs),
         "ledger_ok": run.ledger_ok,
         "completed": sum(r.ok for r in run.reqs),
+        "lead_completed": run.lead_ok,
         "max_workers": max((row["workers"] for row in rows), default=0),
         "scale_downs": sum(d.reason in ("scale_down", "scale_to_zero") for _, d in run.plans),
     }
@@ -439,7 +472,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"{fmt(s['itl_p99_s'] * 1000 if s['itl_p99_s'] is not None else None, '.0f')} | "
             f"{s['within_slo']:.1%} | {s['worker_s']} | "
             f"{fmt(s['worker_s'] / ref if ref else None, '.0%')} | {s['not_whole']} | "
-            f"{s['ledger_ok']} / {s['completed']} |"
+            f"{s['ledger_ok']} / {s['completed'] + s.get('lead_completed', 0)} |"
         )
     return "\n".join(lines)
 
@@ -456,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down-cooldown-s", type=float, default=5.0)
     p.add_argument("--window-s", type=float, default=5.0, help="window of the peak rate")
     p.add_argument("--lead-s", type=float, default=4.0, help="seconds between ready and replay")
+    p.add_argument(
+        "--warm-s",
+        type=float,
+        default=15.0,
+        help="seconds of unmeasured load at the trace's first rate before it (the planner's "
+        "history: a planner that had been running)",
+    )
     p.add_argument("--settle-s", type=float, default=3.0, help="seconds after the last answer")
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument(
