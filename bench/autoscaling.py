@@ -405,15 +405,17 @@ def summarize(run: Run, slo: PoolPlanSettings, burst: tuple[float, float] | None
     return out
 
 
-def plot(trace: str, runs: list[Run], slots: int, out: Path) -> None:
+def plot(trace: str, by_mode: dict[str, list[dict[str, Any]]], slots: int, out: Path) -> None:
+    """One panel a mode, from its rows a second (``seconds``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.3 * len(runs)), sharex=True)
-    for ax, run in zip(axes if len(runs) > 1 else [axes], runs, strict=True):
-        rows = seconds(run)
+    modes = [m for m in MODES if m in by_mode] + [m for m in by_mode if m not in MODES]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(9, 2.3 * len(modes)), sharex=True)
+    for ax, mode in zip(axes if len(modes) > 1 else [axes], modes, strict=True):
+        rows = by_mode[mode]
         t = [r["t"] for r in rows]
         ax.step(t, [r["workers"] + r["draining"] for r in rows], where="post", label="workers")
         ax.step(
@@ -431,7 +433,7 @@ def plot(trace: str, runs: list[Run], slots: int, out: Path) -> None:
             label=f"waiting / {slots}",
         )
         ax.set_ylabel("workers")
-        ax.set_title(f"{trace}: {run.mode}", fontsize=9, loc="left")
+        ax.set_title(f"{trace}: {mode}", fontsize=9, loc="left")
         ax2 = ax.twinx()
         ax2.plot(t, [r["arrivals"] for r in rows], color="tab:gray", lw=0.6, label="arrivals/s")
         ax2.plot(
@@ -442,11 +444,11 @@ def plot(trace: str, runs: list[Run], slots: int, out: Path) -> None:
             label="forecast req/s",
         )
         ax2.set_ylabel("req/s")
-        if ax is (axes[0] if len(runs) > 1 else axes):
+        if ax is (axes[0] if len(modes) > 1 else axes):
             h1, l1 = ax.get_legend_handles_labels()
             h2, l2 = ax2.get_legend_handles_labels()
             ax.legend(h1 + h2, l1 + l2, fontsize=7, ncol=5, loc="upper left")
-    (axes[-1] if len(runs) > 1 else axes).set_xlabel("seconds of the replay")
+    (axes[-1] if len(modes) > 1 else axes).set_xlabel("seconds of the replay")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -475,6 +477,24 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"{s['ledger_ok']} / {s['completed'] + s.get('lead_completed', 0)} |"
         )
     return "\n".join(lines)
+
+
+def report(files: list[Path], slots: int, img: Path) -> int:
+    """Merge result files (a later file's run of a (trace, mode) replaces an earlier one's),
+    print the table and draw each trace's PNG again."""
+    summaries: dict[tuple[str, str], dict[str, Any]] = {}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for f in files:
+        data = json.loads(f.read_text())
+        for s in data["summaries"]:
+            summaries[(s["trace"], s["mode"])] = s
+            rows.setdefault(s["trace"], {})[s["mode"]] = data["seconds"][s["mode"]]
+    order = sorted(summaries, key=lambda k: (k[0], MODES.index(k[1]) if k[1] in MODES else 9))
+    print(table([summaries[k] for k in order]))
+    img.mkdir(parents=True, exist_ok=True)
+    for trace, by_mode in rows.items():
+        plot(trace, by_mode, slots, img / f"autoscaling-{trace}.png")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,7 +531,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-max-tokens", default="16,64", help="max_tokens range of the real ramp")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="no runs: merge these result files (later ones win), print the table, draw the PNGs",
+    )
     args = p.parse_args(argv)
+    if args.report:
+        return report(args.report, args.slots, args.img)
     cost = FakeEngineSettings(**tomllib.loads(CALIBRATED.read_text())["fake_engine"])
     cfg = PlannerSettings()
     slo = cfg.default
@@ -567,7 +596,12 @@ def main(argv: list[str] | None = None) -> int:
             summaries.append(s)
             print(table([s]).splitlines()[-1], json.dumps(s), flush=True)
         args.img.mkdir(parents=True, exist_ok=True)
-        plot(trace, runs, args.slots, args.img / f"autoscaling-{trace}.png")
+        plot(
+            trace,
+            {r.mode: seconds(r) for r in runs},
+            args.slots,
+            args.img / f"autoscaling-{trace}.png",
+        )
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"autoscaling-{trace}.json").write_text(
             json.dumps(
