@@ -76,8 +76,8 @@ async def test_open_loop_sends_each_request_at_its_trace_time() -> None:
     assert load.label == "trace=t"
     await _open_loop(reqs, load, 0, start, start + 10, one)
     assert [(i, s) for i, s, _ in sent] == list(enumerate(offsets))
-    # Never early; late only by the event loop's wake-up.
-    assert all(s is not None and s <= at < s + 0.1 for _, s, at in sent)
+    # Never early (late only by the event loop's wake-up: loose, the machine is shared).
+    assert all(s is not None and s <= at < s + 0.5 for _, s, at in sent)
 
 
 def test_trace_arrivals_must_be_ordered() -> None:
