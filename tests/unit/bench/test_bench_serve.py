@@ -135,7 +135,7 @@ def test_main_replays_a_trace_at_its_times_and_lengths(fake_server: str, tmp_pat
     by_index = {r["index"]: r for r in lines}
     for i, (t, _, _) in enumerate(rows):
         assert by_index[i]["scheduled_s"] == t
-        assert t <= by_index[i]["start_s"] < t + SLACK_S
+        assert t <= by_index[i]["start_s"] < t + 5 * SLACK_S  # never early
     assert {r["load"] for r in lines} == {"trace=tiny"}
     with pytest.raises(SystemExit):
         main([*argv, "--rate=2"])
