@@ -166,6 +166,17 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "routers (reload the teams file), workers (cancel revoked teams' requests)",
         False,
     ),
+    "batch": SubjectDoc(
+        ("<batch_id>",),
+        "BatchLine",
+        "JetStream (stream `STRAIT_BATCH`, `Nats-Msg-Id` `<batch_id>:<line>`)",
+        "gateway (`POST /v1/batches`: one message per line of the input file)",
+        "batch runners in the gateways (durable consumer; acked once the line's result is stored)",
+        False,
+    ),
+    "batch_all": SubjectDoc(
+        (), "BatchLine", "JetStream", "—", "the batch stream's subject filter", False
+    ),
     "event": SubjectDoc(
         ("usage",),
         "UsageEvent",
