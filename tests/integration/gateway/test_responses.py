@@ -113,9 +113,7 @@ async def test_responses_through_the_sdk(gw_settings: Settings) -> None:
             answer = await c.responses.create(
                 model="auto",
                 previous_response_id=call_r.id,
-                input=[
-                    {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
-                ],
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
                 tools=[WEATHER],
                 max_output_tokens=4,
             )
