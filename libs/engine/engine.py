@@ -311,7 +311,9 @@ class LLMEngine:
         return 0.0 if predicted is None else predicted / target
 
     def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens, seconds)
+        self.step_cost.observe(
+            sched.num_decode_rows, sched.num_prefill_tokens, seconds, sched.prefill_work
+        )
         target = self.scheduler.itl_target_s
         if target > 0 and seconds > target:
             if sched.budget is None:

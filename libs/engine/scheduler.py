@@ -40,6 +40,7 @@ class ScheduledSeq:
     # Proposed tokens run after them (speculative decoding; only for a decoding sequence):
     # not in seq.token_ids; the engine keeps those equal to what it samples at their positions.
     spec: list[int] = field(default_factory=list)
+    start: int = 0  # seq.num_computed_tokens when scheduled (where this step's tokens begin)
 
     @property
     def samples(self) -> bool:
@@ -62,6 +63,16 @@ class SchedulerOutput:
     @property
     def num_prefill_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+
+    @property
+    def prefill_work(self) -> float:
+        """(query, earlier key) pairs the prompt chunks attend over (the step-cost model's
+        context term): ``P * start + P * (P - 1) / 2`` a chunk."""
+        return sum(
+            s.num_new_tokens * s.start + s.num_new_tokens * (s.num_new_tokens - 1) / 2
+            for s in self.scheduled
+            if s.num_new_tokens > 1
+        )
 
     @property
     def num_batched_tokens(self) -> int:
@@ -158,7 +169,7 @@ class Scheduler:
             if seq not in self.running:  # it was the last one and got preempted itself
                 break
             self.kv.grow(seq, n + len(spec))
-            out.scheduled.append(ScheduledSeq(seq, n, spec))
+            out.scheduled.append(ScheduledSeq(seq, n, spec, seq.num_computed_tokens))
             budget -= n + len(spec)
             i += 1
 
@@ -179,7 +190,7 @@ class Scheduler:
                 new.num_cached_tokens = cached
             new.status = SeqStatus.RUNNING
             self.running.append(new)
-            out.scheduled.append(ScheduledSeq(new, n))
+            out.scheduled.append(ScheduledSeq(new, n, start=new.num_computed_tokens))
             budget -= n
             prompt_left -= n
         return out
@@ -191,11 +202,17 @@ class Scheduler:
         if self.itl_target_s <= 0:
             return self.max_num_batched_tokens
         rows = sum(1 + len(s.spec_tokens) for s in self.running if s.num_uncomputed_tokens == 1)
+        # Where the step's prompt tokens begin: the first running prompt's next chunk (it
+        # takes the allowance first), else a new admission's (0, or its cached prefix).
+        start = next(
+            (s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens > 1), 0
+        )
         out.budget = self.cost.prefill_budget(
             self.itl_target_s,
             rows,
             self.min_prefill_tokens,
             max(self.max_num_batched_tokens - rows, 0),
+            start,
         )
         return self.max_num_batched_tokens if out.budget is None else out.budget.tokens
 

@@ -5,16 +5,19 @@ The engine times every forward and calls :meth:`StepCostModel.observe`; the sche
 stays under the pool's inter-token target (``engine.itl_target_ms``); speculation asks the
 decode fit when proposing pays (``libs.engine.spec``).
 
-Model, in seconds: ``a + b * rows + c * prefill_tokens``, where ``rows`` are the step's decode
-rows (decoding sequences plus their proposals). ``(a, b)`` is an exponentially weighted least
-squares fit over decode-only steps (:class:`StepCost`); ``c`` is an exponentially weighted
-mean of what mixed steps took beyond the decode fit, per prompt token. Prompt tokens late in a
-long prompt cost more (attention reads the whole prefix); the mean follows the mix the worker
-actually serves. Same on CUDA: the fit sees the device's step times.
+Model, in seconds: ``a + b * rows + c * prefill_tokens + d * prefill_work``, where ``rows``
+are the step's decode rows (decoding sequences plus their proposals) and ``prefill_work`` the
+(query, earlier key) pairs its prompt chunks attend over, ``P * start + P * (P - 1) / 2`` for
+a chunk of ``P`` tokens from position ``start``: a long prompt's late chunks cost more.
+``(a, b)`` is an exponentially weighted least squares fit over decode-only steps
+(:class:`StepCost`); ``(c, d)`` one over what mixed steps took beyond the decode fit, both
+held non-negative; before the mixed steps separate them, ``c`` alone (a per-token mean). Same
+on CUDA: the fit sees the device's step times.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 STEP_COST_DECAY = 0.99  # weight of a step in the decode fit, per later step
@@ -92,30 +95,57 @@ class StepCostModel:
         self.decode = StepCost()
         self.per_prefill_token = 0.0  # seconds, EW mean over mixed steps
         self.prefill_steps = 0
+        # EW sums of the mixed steps' (P, W, excess) products, for the (c, d) fit.
+        self.spp = self.spw = self.sww = self.spy = self.swy = 0.0
 
-    def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
-        """One forward of ``rows`` decode rows and ``prefill_tokens`` prompt tokens."""
+    def observe(
+        self, rows: int, prefill_tokens: int, seconds: float, prefill_work: float = 0.0
+    ) -> None:
+        """One step of ``rows`` decode rows and ``prefill_tokens`` prompt tokens attending
+        over ``prefill_work`` (query, earlier key) pairs (``SchedulerOutput.prefill_work``)."""
         if prefill_tokens == 0:
             self.decode.add(rows, seconds)
             return
         base = self.decode.predict(rows)
         if base is None or prefill_tokens < PREFILL_MIN_SAMPLE_TOKENS:
             return
-        sample = max(seconds - base, 0.0) / prefill_tokens
+        excess = max(seconds - base, 0.0)
         w = 1.0 if self.prefill_steps == 0 else PREFILL_COST_WEIGHT
-        self.per_prefill_token += w * (sample - self.per_prefill_token)
+        self.per_prefill_token += w * (excess / prefill_tokens - self.per_prefill_token)
         self.prefill_steps += 1
+        d, p, q = STEP_COST_DECAY, float(prefill_tokens), prefill_work
+        self.spp, self.spw, self.sww = (
+            d * self.spp + p * p,
+            d * self.spw + p * q,
+            d * self.sww + q * q,
+        )
+        self.spy, self.swy = d * self.spy + p * excess, d * self.swy + q * excess
+
+    def prefill_fit(self) -> tuple[float, float]:
+        """(c, d): seconds per prompt token and per attended pair, both >= 0; (mean, 0) while
+        the mixed steps seen do not separate the two."""
+        det = self.spp * self.sww - self.spw * self.spw
+        if det <= 1e-9 * self.spp * self.sww or self.sww <= 0:
+            return self.per_prefill_token, 0.0
+        c = (self.spy * self.sww - self.swy * self.spw) / det
+        d = (self.swy * self.spp - self.spy * self.spw) / det
+        if d < 0:
+            return max(self.spy / self.spp, 0.0), 0.0
+        if c < 0:
+            return 0.0, max(self.swy / self.sww, 0.0)
+        return c, d
 
     def ready(self) -> bool:
         return self.decode.fit() is not None and self.prefill_steps >= PREFILL_MIN_STEPS
 
     def prefill_budget(
-        self, target_s: float, rows: int, floor: int, ceiling: int
+        self, target_s: float, rows: int, floor: int, ceiling: int, start: int = 0
     ) -> PrefillBudget | None:
         """Prompt tokens a step with ``rows`` decode rows may carry to stay under
-        ``target_s``: at least ``floor`` (prompts always progress), at most ``ceiling``; None
-        until the model has seen enough steps (the scheduler then uses its fixed chunks). A
-        step with no decode row keeps no stream waiting: it takes ``ceiling`` (TTFT)."""
+        ``target_s`` when its prompt tokens start at position ``start``: at least ``floor``
+        (prompts always progress), at most ``ceiling``; None until the model has seen enough
+        steps (the scheduler then uses its fixed chunks). A step with no decode row keeps no
+        stream waiting: it takes ``ceiling`` (TTFT)."""
         if not self.ready():
             return None
         if rows == 0:
@@ -125,8 +155,14 @@ class StepCostModel:
         room = target_s - decode_s
         if room <= 0:
             return PrefillBudget(max(min(floor, ceiling), 0), "decode_rows")
-        c = self.per_prefill_token
-        tokens = ceiling if c <= 0 else min(int(room / c), ceiling)
+        c, d = self.prefill_fit()
+        # c * P + d * (P * start + P * P / 2) <= room, for the largest P.
+        lin = c + d * start
+        if d > 0:
+            p = (-lin + math.sqrt(lin * lin + 2 * d * room)) / d
+        else:
+            p = room / lin if lin > 0 else float(ceiling)
+        tokens = min(int(p), ceiling)
         if tokens < floor:
             return PrefillBudget(max(min(floor, ceiling), 0), "prefill_floor")
         return PrefillBudget(tokens)

@@ -187,3 +187,34 @@ def test_the_decode_fit_never_goes_negative() -> None:
         flat.add(1 + i % 4, 0.020 - 0.001 * (i % 4))
     a, b = flat.fit()  # type: ignore[misc]
     assert b == 0 and a == pytest.approx(0.0185, rel=0.05)
+
+
+def test_late_chunks_of_a_long_prompt_get_fewer_tokens() -> None:
+    """Steps whose prompt cost grows with the context (c per token plus d per attended pair):
+    the fit separates the two, and a chunk starting deep into a prompt is given fewer tokens."""
+    c, d = 0.0002, 2e-7
+    cost = StepCostModel()
+    for i in range(STEP_COST_MIN_STEPS):
+        cost.observe(1 + i % 8, 0, 0.010 + 0.001 * (1 + i % 8))
+    for start, p in [(0, 64), (512, 64), (1024, 32), (2048, 64), (0, 128), (3000, 16)] * 4:
+        work = p * start + p * (p - 1) / 2
+        cost.observe(2, p, 0.012 + c * p + d * work, work)
+    got_c, got_d = cost.prefill_fit()
+    assert got_c == pytest.approx(c, rel=0.05) and got_d == pytest.approx(d, rel=0.05)
+    early = cost.prefill_budget(0.040, 10, 4, 500, start=0)
+    late = cost.prefill_budget(0.040, 10, 4, 500, start=2500)
+    assert early is not None and late is not None
+    assert early.tokens > 2 * late.tokens  # 20 ms of room buys far fewer late tokens
+    p = late.tokens  # and the late allowance does fit the room it was given
+    assert c * p + d * (p * 2500 + p * p / 2) <= 0.020 + 1e-9
+
+
+def test_the_step_reports_the_pairs_its_chunks_attend_over() -> None:
+    s = make(max_num_batched_tokens=64, prefill_chunk_tokens=8)
+    s.add(seq("a", 20))
+    out = s.schedule()
+    assert out.prefill_work == 8 * 7 / 2  # the first chunk: positions 0..7
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        s.kv.commit(item.seq)
+    assert s.schedule().prefill_work == 8 * 8 + 8 * 7 / 2  # the second, from position 8
