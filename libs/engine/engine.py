@@ -305,9 +305,7 @@ class LLMEngine:
         target = self.scheduler.itl_target_s
         if target <= 0:
             return 0.0
-        running = self.scheduler.running
-        rows = sum(1 + len(s.spec_tokens) for s in running if s.num_uncomputed_tokens == 1)
-        predicted = self.step_cost.decode.predict(rows)
+        predicted = self.step_cost.decode.predict(self.scheduler.decode_rows())
         return 0.0 if predicted is None else predicted / target
 
     def _observe(self, sched: SchedulerOutput, seconds: float) -> None:

@@ -195,13 +195,17 @@ class Scheduler:
             prompt_left -= n
         return out
 
+    def decode_rows(self) -> int:
+        """Rows the running decoding sequences take next step (each one plus its proposals)."""
+        return sum(1 + len(s.spec_tokens) for s in self.running if s.num_uncomputed_tokens == 1)
+
     def _prompt_allowance(self, out: SchedulerOutput) -> int:
         """Prompt tokens this step may carry: all of the budget without a target (or before
         the cost model has seen enough steps), else what the target leaves after the decode
         rows (``out.budget`` says how it was decided)."""
         if self.itl_target_s <= 0:
             return self.max_num_batched_tokens
-        rows = sum(1 + len(s.spec_tokens) for s in self.running if s.num_uncomputed_tokens == 1)
+        rows = self.decode_rows()
         # Where the step's prompt tokens begin: the first running prompt's next chunk (it
         # takes the allowance first), else a new admission's (0, or its cached prefix).
         start = next(
