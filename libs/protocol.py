@@ -12,6 +12,7 @@ Data flow (see docs/architecture.md):
     worker --TokenDelta/Finished/ErrorMessage--> <prefix>.stream.<request_id>   (core NATS)
     anyone --CancelRequest--> <prefix>.cancel.<request_id>
     worker --WorkerBeat--> <prefix>.workers.<pool>.<role>.<worker_id>
+    router --RouterBeat--> <prefix>.routers.<router_id>   (requests it holds, for the planner)
     worker --KvEvent--> <prefix>.kv_events.<worker_id>
     services --UsageEvent/RouteDecision--> JetStream <prefix>.events.<kind>  (stream STRAIT_EVENTS)
     any service --DeadLetter--> <prefix>.deadletter   (malformed input with no reply subject)
@@ -427,6 +428,22 @@ class WorkerBeat(Struct, kw_only=True):
     step_load: float = 0.0
 
 
+class RouterBeat(Struct, kw_only=True):
+    """Every router, every ``router.beat_interval_s``, on ``Subjects.router_beat(id)``: the
+    requests it holds and has not placed yet, so the planner counts them as queued (they
+    are in no worker's ``waiting``)."""
+
+    v: int = PROTOCOL_VERSION
+    router_id: str
+    # pool → requests held while every worker of the pool was full (router.hold_*).
+    held: dict[str, int] = msgspec.field(default_factory=dict)
+    # pool → requests waiting for a worker to come back (router.worker_return_wait_s).
+    waiting: dict[str, int] = msgspec.field(default_factory=dict)
+    # pool → seconds the oldest held request has waited.
+    oldest_held_s: dict[str, float] = msgspec.field(default_factory=dict)
+    ts: float = msgspec.field(default_factory=time.time)
+
+
 class KvEvent(Struct, kw_only=True):
     """Blocks a worker stored into or evicted from its prefix cache (chain hashes)."""
 
@@ -573,7 +590,7 @@ class PlanDecision(Struct, kw_only=True):
     factors: list[str] = msgspec.field(default_factory=list)
     arrival_rps: float = 0.0  # measured over the last bucket
     forecast_rps: float = 0.0  # the forecast's peak over planner.horizon_s
-    queue: int = 0  # requests waiting in the role's workers
+    queue: int = 0  # requests waiting in the role's workers or held in routers
     worker_rps: float = 0.0  # requests a second one worker serves within the SLO
     capacity: Literal["measured", "prior"] = "prior"
     ttft_s: float | None = None  # at planner.slo_quantile, recent finished requests
@@ -859,6 +876,13 @@ class Subjects:
     def beats_all(self) -> str:
         return f"{self.prefix}.workers.>"
 
+    def router_beat(self, router_id: str) -> str:
+        return f"{self.prefix}.routers.{router_id}"
+
+    @property
+    def router_beats_all(self) -> str:
+        return f"{self.prefix}.routers.*"
+
     def kv_events(self, worker_id: str) -> str:
         return f"{self.prefix}.kv_events.{worker_id}"
 
@@ -1059,6 +1083,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "StreamOwner": StreamOwner,
     "DrainRequest": DrainRequest,
     "WorkerBeat": WorkerBeat,
+    "RouterBeat": RouterBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,
     "RouteDecision": RouteDecision,

@@ -299,6 +299,16 @@ class RouterSettings(BaseModel):
     # request or fewer free slots than batch.reserve_slots, up to this long; then it is placed
     # (the engine's scheduler still runs interactive work first and preempts batch work).
     batch_hold_max_s: float = Field(default=30.0, ge=0)
+    # Late binding: a new request is held (unacked, kept alive, in arrival order) while every
+    # worker of its pool already holds its capacity plus this many waiting requests, and is
+    # placed on the first worker with room, a worker that starts meanwhile included (the
+    # planner's scale-out takes the queue over instead of finding it stuck in the old
+    # workers). Held requests count in max_pool_queue.
+    hold_queue_per_worker: int = Field(default=4, ge=0)
+    # Longest hold; then the request is placed on the best worker's queue. 0: never hold.
+    hold_max_s: float = Field(default=30.0, ge=0)
+    # Seconds between the router's beats (RouterBeat: its held requests, for the planner).
+    beat_interval_s: float = Field(default=0.5, gt=0)
     metrics_port: int = 9101  # 0: no HTTP listener
 
 

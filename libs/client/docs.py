@@ -50,6 +50,7 @@ from libs.protocol import (
     ResendRequest,
     Routed,
     RouteDecision,
+    RouterBeat,
     SamplingParams,
     StreamOwner,
     Subjects,
@@ -235,6 +236,15 @@ SUBJECTS: dict[str, SubjectDoc] = {
         False,
     ),
     "beats_all": SubjectDoc((), "WorkerBeat", "core NATS", "—", "router, gateway", False),
+    "router_beat": SubjectDoc(
+        ("<router_id>",),
+        "RouterBeat",
+        "core NATS, every `router.beat_interval_s`",
+        "every router",
+        "planner (`router_beats_all`: held requests count as queued), observers",
+        False,
+    ),
+    "router_beats_all": SubjectDoc((), "RouterBeat", "core NATS", "—", "planner", False),
     "kv_events": SubjectDoc(
         ("<worker_id>",),
         "KvEvent",
@@ -352,7 +362,7 @@ ERRORS: dict[str, str] = {
 MESSAGE_TABLES: list[type[Any]] = [
     GenerateRequest, SamplingParams, CancelRequest, ResendRequest, Routed, TokenDelta, Migrated, Finished,
     ErrorMessage,
-    UsageEvent, RouteDecision, PlanDecision,
+    UsageEvent, RouteDecision, PlanDecision, RouterBeat,
 ]  # fmt: skip
 
 # The KV handoff's messages (fleet-internal; docs/disaggregation.md tells the whole story).

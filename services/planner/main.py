@@ -1,6 +1,7 @@
 """``strait planner``: sizes every pool ahead of its load (docs/planner.md).
 
     subscribe: workers.>  (WorkerBeat)        events.route  (RouteDecision, placed requests)
+               routers.* (RouterBeat: requests held in routers, queued)
                events.usage.worker (UsageEvent) requests, requests.* (model names: demand for
                                                 a pool with no worker)
     every planner.interval_s: Planner.plan → PlanDecision per pool role
@@ -29,6 +30,7 @@ from libs.protocol import (
     PlanDecision,
     ProtocolError,
     RouteDecision,
+    RouterBeat,
     Subjects,
     UsageEvent,
     WorkerBeat,
@@ -87,6 +89,9 @@ async def serve(ctx: ServiceContext) -> None:
     subs = [
         await nc.subscribe(subjects.beats_all, cb=handler(WorkerBeat, planner.on_beat)),
         await nc.subscribe(subjects.event("route"), cb=handler(RouteDecision, planner.on_route)),
+        await nc.subscribe(
+            subjects.router_beats_all, cb=handler(RouterBeat, planner.on_router_beat)
+        ),
         await nc.subscribe(subjects.worker_usage, cb=handler(UsageEvent, planner.on_usage)),
         await nc.subscribe(subjects.requests, cb=on_request),
         await nc.subscribe(subjects.team_requests_all, cb=on_request),

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from libs.protocol import PlanDecision, PlanRole, RouteDecision, UsageEvent, WorkerBeat
+from libs.protocol import PlanDecision, PlanRole, RouteDecision, RouterBeat, UsageEvent, WorkerBeat
 from libs.settings import PoolSettings, Settings
 from services.planner import decide
 from services.planner.capacity import Sample, prefill_capacity, quantile, worker_capacity
@@ -59,6 +59,8 @@ class Planner:
             p.name: PoolView(counts=deque(maxlen=keep), bucket_start=now) for p in settings.pools
         }
         self.workers: dict[str, WorkerView] = {}
+        # router id → (its last beat, planner clock): requests held in routers are queued too.
+        self.routers: dict[str, tuple[RouterBeat, float]] = {}
         self.samples: dict[tuple[str, str], deque[Sample]] = {}
         self.states: dict[tuple[str, str], decide.RoleState] = {}
         self.started = now
@@ -93,6 +95,19 @@ class Planner:
             view = self.workers[beat.worker_id] = WorkerView(beat, now)
         view.beat, view.seen = beat, now
         view.running.append((now, beat.running))
+
+    def on_router_beat(self, beat: RouterBeat, now: float) -> None:
+        self.routers[beat.router_id] = (beat, now)
+
+    def held(self, pool: str, now: float) -> int:
+        """Requests the live routers hold for ``pool`` (not placed yet: every worker was full),
+        and those waiting for one of its workers to come back."""
+        ttl = self.settings.router.worker_ttl_s
+        return sum(
+            b.held.get(pool, 0) + b.waiting.get(pool, 0)
+            for b, seen in self.routers.values()
+            if now - seen <= ttl
+        )
 
     def on_usage(self, ev: UsageEvent, now: float) -> None:
         """A worker's finished request: one capacity sample for its pool and role."""
@@ -163,7 +178,8 @@ class Planner:
         load = decide.Load(
             forecast_rps=self.forecast_rps(pool.name),
             arrival_rps=series[-1] if series else 0.0,
-            queue=sum(w.beat.waiting for w in live),
+            queue=sum(w.beat.waiting for w in live)
+            + (self.held(pool.name, now) if role != "decode" else 0),
             busy=sum(w.beat.running for w in live),
             ttft_s=ttft,
             idle_s=now - max(view.last_arrival, self.started),
@@ -234,3 +250,5 @@ class Planner:
         """Drop workers not heard from for ``keep_s`` (bounded state over a long life)."""
         for wid in [w for w, v in self.workers.items() if now - v.seen > keep_s]:
             del self.workers[wid]
+        for rid in [r for r, (_, seen) in self.routers.items() if now - seen > keep_s]:
+            del self.routers[rid]

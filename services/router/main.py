@@ -1,6 +1,6 @@
 """``strait router``: pull requests from JetStream, place them, keep the worker registry fresh.
 
-Three things run side by side:
+Four things run side by side:
 
 - the request loops, one for the fleet's requests stream and one for each active team's
   (``team_stream_config``): fetch a batch from the stream's durable consumer ``router``
@@ -9,7 +9,9 @@ Three things run side by side:
 - subscriptions to every worker's beats and KV events, feeding the registry (each replica builds
   the same registry from the same subjects);
 - the sweep, every ``router.sweep_interval_s``: expire workers whose beats stopped, place their
-  not-yet-started requests again, forget watched requests past ``router.watch_ttl_s``.
+  not-yet-started requests again, forget watched requests past ``router.watch_ttl_s``;
+- the beat, every ``router.beat_interval_s``: a ``RouterBeat`` with the requests it holds
+  (``Router.hold_while_full``), which the planner counts as queued.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -44,6 +48,7 @@ from libs.protocol import (
     TeamsChanged,
     WorkerBeat,
     decode,
+    encode,
     request_key,
 )
 from libs.registry import WorkerRegistry
@@ -239,14 +244,29 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             for pool in {p.name for p in s.pools} | registry.pools():
                 metrics.LIVE_WORKERS.labels(pool=pool).set(len(registry.live(pool)))
 
+    router_id = f"router-{socket.gethostname()}-{os.getpid()}"
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(s.router.beat_interval_s)
+            if nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await nc.publish(
+                        subjects.router_beat(router_id), encode(router.beat(router_id))
+                    )
+
     sweeper = asyncio.create_task(sweep())
+    beater = asyncio.create_task(beat())
     log.info("router ready", extra=fields(pools=[p.name for p in s.pools]))
     try:
         await read_requests(s.nats.requests_stream, psub)
     finally:
         sweeper.cancel()
+        beater.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        with contextlib.suppress(asyncio.CancelledError):
+            await beater
         for reader in readers.values():
             reader.cancel()
         await asyncio.gather(*readers.values(), return_exceptions=True)

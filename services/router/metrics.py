@@ -54,3 +54,13 @@ BATCH_HOLD_SECONDS = Histogram(
     "Time a held batch request waited for room in its pool",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
 )
+HELD = Gauge(
+    "strait_router_held_requests",
+    "Requests held because every worker of their pool was full (router.hold_queue_per_worker)",
+    ["pool"],
+)
+HOLD_SECONDS = Histogram(
+    "strait_router_hold_seconds",
+    "Time a held request waited for a worker with room",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+)

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from libs.protocol import (
     Migration,
     ProtocolError,
     RouteDecision,
+    RouterBeat,
     RouteReason,
     Subjects,
     decode,
@@ -155,6 +157,9 @@ class Router:
         # so other pools' requests keep being routed.
         self.waiting: dict[str, int] = {}
         self.slots: asyncio.Semaphore | None = None
+        # Requests held while every worker of their pool is full, by pool, oldest first
+        # (``hold_while_full``): (token, monotonic time it was held).
+        self.held: dict[str, list[tuple[object, float]]] = {}
 
     # ------------------------------------------------------------ pool choice
 
@@ -227,6 +232,7 @@ class Router:
                 pool, code = roomy[0], "spill_saturated"
         workers = live[pool]
         queue = sum([w.beat.waiting + len(w.pending_at) for w in workers])
+        queue += len(self.held.get(pool, ()))
         if queue >= self.cfg.max_pool_queue:
             return Rejection(
                 "no_capacity",
@@ -390,6 +396,75 @@ class Router:
                 await held.acquire()
             metrics.BATCH_HOLD_SECONDS.observe(time.monotonic() - t0)
 
+    def room(self, pool: str) -> int:
+        """Requests ``pool``'s workers take before the router holds the next: over every live
+        worker, its capacity plus ``router.hold_queue_per_worker`` less what it holds (running,
+        waiting, and assigned since its last beat). A pool with no live worker has unbounded
+        room here: ``decide_waiting`` answers for it."""
+        workers = self.registry.live(pool)
+        if not workers:
+            return sys.maxsize
+        limit = self.cfg.hold_queue_per_worker
+        return sum(
+            max(w.beat.capacity + limit - (w.beat.running + w.beat.waiting + w.pending), 0)
+            for w in workers
+        )
+
+    async def hold_while_full(
+        self,
+        req: GenerateRequest,
+        keepalive: Callable[[], Awaitable[None]] | None = None,
+        held: asyncio.Semaphore | None = None,
+    ) -> None:
+        """Late binding: hold a new request (unacked, kept alive) while its pool has no
+        ``room``, and let it go in arrival order as room appears (a finished request, a
+        worker that starts), up to ``router.hold_max_s``. A request placed at once would wait
+        in one worker's queue however many workers start after it. Held requests count in
+        ``router.max_pool_queue`` (``decide``); the decision slot is given back meanwhile."""
+        choice = self.choose_pool(req)
+        if choice is None or self.cfg.hold_max_s <= 0:
+            return
+        pool = choice.pool
+        line = self.held.setdefault(pool, [])
+        if len(line) < self.room(pool):
+            return  # room for everyone held before it, and for it
+        queued = len(line) + sum(w.beat.waiting + w.pending for w in self.registry.live(pool))
+        if queued >= self.cfg.max_pool_queue:
+            return  # ``decide`` refuses it (no_capacity)
+        token = object()
+        t0 = last_keepalive = time.monotonic()
+        line.append((token, t0))
+        metrics.HELD.labels(pool=pool).inc()
+        if held is not None:
+            held.release()
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.sweep_interval_s)
+                now = time.monotonic()
+                ahead = next(i for i, (t, _) in enumerate(line) if t is token)
+                if ahead < self.room(pool) or now - t0 >= self.cfg.hold_max_s:
+                    return
+                if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
+                    last_keepalive = now
+                    await keepalive()
+        finally:
+            line[:] = [e for e in line if e[0] is not token]
+            metrics.HELD.labels(pool=pool).dec()
+            metrics.HOLD_SECONDS.observe(time.monotonic() - t0)
+            if held is not None:
+                await held.acquire()
+
+    def beat(self, router_id: str) -> RouterBeat:
+        """What this router holds now (``services.router.main`` publishes it every
+        ``router.beat_interval_s``)."""
+        now = time.monotonic()
+        return RouterBeat(
+            router_id=router_id,
+            held={p: len(line) for p, line in self.held.items() if line},
+            waiting={p: n for p, n in self.waiting.items() if n},
+            oldest_held_s={p: round(now - line[0][1], 3) for p, line in self.held.items() if line},
+        )
+
     # ------------------------------------------------------------ one message
 
     async def handle(self, msg: Msg) -> None:
@@ -458,6 +533,8 @@ class Router:
         request's ``hold_batch``)."""
         if attempt == 1 and req.priority == "batch":
             await self.hold_batch(req, keepalive, held)
+        elif attempt == 1 and migration is None and not pool:
+            await self.hold_while_full(req, keepalive, held)
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":

@@ -181,3 +181,25 @@ def test_planner_policy_reactive_ignores_the_forecast() -> None:
         out[policy] = (d.replicas, d.driver)
     assert out["forecast"][0] > 1 and out["forecast"][1] == "forecast"
     assert out["reactive"] == (1, "min_bound")
+
+
+def test_requests_held_in_live_routers_count_as_queued() -> None:
+    from libs.protocol import RouterBeat, WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(
+        pools=[PoolSettings(name="p", model="m", backend="fake")],
+        planner=PlannerSettings(policy="reactive", reactive_queue_per_worker=4),  # type: ignore[arg-type]
+    )
+    pl = Planner(s, "t", now=0.0)
+    pl.on_beat(WorkerBeat(worker_id="w0", pool="p", role="aggregated", model="m", capacity=4), 9.9)
+    # Two routers hold 10 (+2 waiting for a worker to come back); a third fell silent.
+    pl.on_router_beat(RouterBeat(router_id="r1", held={"p": 6}, waiting={"p": 2}), 9.9)
+    pl.on_router_beat(RouterBeat(router_id="r2", held={"p": 4, "other": 50}), 9.9)
+    pl.on_router_beat(RouterBeat(router_id="r3", held={"p": 100}), 0.0)
+    assert pl.held("p", 10.0) == 12
+    (d,) = pl.plan(10.0)
+    assert (d.queue, d.replicas, d.driver) == (12, 3, "queue_depth")
+    pl.forget_stale(500.0, 100.0)
+    assert pl.routers == {}
