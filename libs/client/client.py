@@ -440,6 +440,9 @@ class Generation:
         self.finished: Finished | None = None
         self.route: RouteReason | None = None
         self.migrations = 0  # times the fleet moved the request to another worker mid-stream
+        # Each move's reason (Migrated.reason): "worker_lost", or "waiting_for_worker" when the
+        # stream paused for a worker of its pool to come back.
+        self.migration_reasons: list[str] = []
         self.error: StraitError | None = None
         self.ttft_s: float | None = None
         self._reader: StreamReader | None = None
@@ -554,6 +557,7 @@ class Generation:
                     self.route = msg.route
                 elif isinstance(msg, Migrated):
                     self.migrations += 1  # moved to another worker; the deltas go on
+                    self.migration_reasons.append(msg.reason)
                 elif isinstance(msg, Finished):
                     self.finished, self._done = msg, True
                 elif isinstance(msg, ErrorMessage):

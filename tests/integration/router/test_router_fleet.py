@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
+import msgspec
 import pytest
 
 from libs.fake_engine import FakeBackend
-from libs.protocol import ErrorMessage, Finished, GenerateRequest, Routed, SamplingParams
+from libs.protocol import (
+    ErrorMessage,
+    Finished,
+    GenerateRequest,
+    Routed,
+    RouterBeat,
+    SamplingParams,
+)
 from libs.settings import FakeEngineSettings, Settings
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
@@ -186,3 +195,42 @@ async def test_no_live_worker_is_a_clear_503_with_retry_after(
         await poll(lambda: bool(client.decision("x2")))
         route = client.decision("x2")[0].route
         assert route.code == "spill_over" and "no_live_worker:large" in route.factors
+
+
+async def test_requests_held_while_the_pool_is_full_go_to_a_worker_that_starts(
+    router_settings: Settings, client: Client
+) -> None:
+    """Late binding (decision 0026): one worker of 2 slots, no queue allowance; 8 requests sent
+    at once. Two run, six are held in the router (none queue in the worker), its beat says so,
+    and a worker that starts takes held requests at once; every request completes."""
+    router_settings.router.hold_queue_per_worker = 0
+    router_settings.router.beat_interval_s = 0.05
+    router_settings.fake_engine.per_token_s = 0.05
+    beats: list[RouterBeat] = []
+
+    async def on_beat(msg: Any) -> None:
+        beats.append(msgspec.json.decode(msg.data, type=RouterBeat))
+
+    await client.nc.subscribe(client.subjects.router_beats_all, cb=on_beat)
+    async with InProcessFleet(router_settings) as fleet:
+        await fleet.add_worker("w0", backend=FakeBackend(router_settings.fake_engine, capacity=2))
+        await poll(lambda: len(fleet.routers) == 1 and live(fleet.routers[0]) == {"w0"})
+        (router,) = fleet.routers
+        runs = [
+            asyncio.create_task(client.run(req(f"h{i}", f"prompt {i}", max_tokens=30), 30.0))
+            for i in range(8)
+        ]
+        await poll(lambda: len(router.held.get("default", ())) == 6, what="six held")
+        await poll(lambda: any(b.held.get("default") == 6 for b in beats), what="a router beat")
+        assert {d.route.worker_id for d in client.decisions} == {"w0"}
+        assert len(client.decisions) == 2
+        await fleet.add_worker("w1", backend=FakeBackend(router_settings.fake_engine, capacity=2))
+        # Within a beat or two of w1's first, two held requests go to it (w0 still runs 1.5 s).
+        await poll(
+            lambda: sum(d.route.worker_id == "w1" for d in client.decisions) == 2,
+            timeout=1.0,
+            what="held requests placed on the new worker",
+        )
+        outs = await asyncio.gather(*runs)
+        assert all(isinstance(o[-1], Finished) for o in outs)
+        assert router.held["default"] == []
