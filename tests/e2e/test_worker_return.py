@@ -24,7 +24,7 @@ from libs.client import StraitClient
 from tests.e2e.test_supervisor import NO_FIXED_PORTS
 from tests.support.services import free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 QUESTION = "Write a short story about a lighthouse keeper and a storm."
 MAX_TOKENS = 160
@@ -146,6 +146,5 @@ def test_the_lone_worker_killed_mid_stream_comes_back_and_the_answer_does_not_ch
         up.send_signal(signal.SIGINT)
         try:
             up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # not this test's subject: do not hide its failure
             up.kill()
-            raise
