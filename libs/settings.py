@@ -540,6 +540,10 @@ class FakeEngineSettings(BaseModel):
     per_row_s: float = Field(default=0.0, ge=0)
     per_prompt_token_s: float = Field(default=0.0002, ge=0)
     max_model_len: int = 4096
+    # Words of a text answer before it ends with finish_reason "stop" (a model's end of
+    # sequence), when fewer than the request's max_tokens; 0: every answer runs to max_tokens
+    # ("length"). Agent loops need answers that end: an SDK reads "length" as a failed turn.
+    answer_words: int = Field(default=0, ge=0)
 
 
 class RuntimeSettings(BaseModel):
