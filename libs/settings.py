@@ -123,6 +123,9 @@ class GatewaySettings(BaseModel):
     # Messages a stored conversation may hold (instructions aside); a follow-up past it through
     # previous_response_id is a 400 naming this setting.
     response_history_max_messages: int = Field(default=256, ge=1)
+    # Seconds a stopping gateway waits for its background responses to store themselves
+    # "failed" (services/gateway/background.py) before it closes the database.
+    background_stop_s: float = Field(default=5.0, gt=0)
 
 
 class BatchSettings(BaseModel):
