@@ -49,7 +49,16 @@ class BackgroundRuns:
     def start(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work, name=f"background-response {response_id}")
         self.tasks[response_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(response_id, None))
+        task.add_done_callback(lambda t: self._ended(response_id, t))
+
+    def _ended(self, response_id: str, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(response_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            # Its last write failed too (the database is down): the row says what it last said.
+            log.error(
+                "background response not stored",
+                extra=fields(request_id=response_id, error=repr(task.exception())),
+            )
 
     def cancel(self, response_id: str) -> bool:
         """Cancel the task of ``response_id`` if this replica runs it (its run's close cancels
@@ -98,10 +107,10 @@ async def run_background(
             await asyncio.shield(run.close())
             return
         whole_response(shape, await run.collect(first))
-        history = [msgspec.to_builtins(m) for m in [*conversation, *shape.history_messages()]]
+        await write([msgspec.to_builtins(m) for m in [*conversation, *shape.history_messages()]])
     except ApiError as e:
         failed(e.code or "server_error", e.message)
-        history = pending
+        await write(pending)
     except asyncio.CancelledError:
         # A cancel stored "cancelled" first (this write is then a no-op); else the gateway is
         # stopping, and the response would otherwise read in_progress forever.
@@ -111,5 +120,4 @@ async def run_background(
     except Exception as e:
         log.exception("background response failed", extra=fields(request_id=response_id))
         failed("server_error", f"the response failed: {type(e).__name__}")
-        history = pending
-    await write(history)
+        await write(pending)
