@@ -86,6 +86,21 @@ async def test_agent_on_the_responses_model(gw_settings: Settings) -> None:
             outputs = [i for i in items.data if i.type == "function_call_output"]
             assert [o.output for o in outputs] == [READING]  # type: ignore[union-attr]
 
+            # Server-side state: a follow-up run sends only its new items, chained by
+            # previous_response_id from turn to turn (the tool's output rides on the stored call).
+            calls = []
+            follow = await agents.Runner.run(
+                weather_agent(model, calls),
+                "And now?",
+                run_config=run_config,
+                previous_response_id=result.last_response_id,
+            )
+            assert_round_trip(follow, calls)
+            chained = await client.responses.retrieve(follow.last_response_id)
+            assert chained.previous_response_id is not None
+            assert chained.usage is not None and last.usage is not None
+            assert chained.usage.input_tokens > last.usage.input_tokens  # carries the first run
+
             # Streamed: the same loop over the SDK's stream events.
             calls = []
             streamed = agents.Runner.run_streamed(
