@@ -16,6 +16,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.protocol import ChatMessage, Priority, SamplingParams
@@ -185,7 +186,9 @@ class FakeBackend:
             n_words = sampling.max_tokens
             if self.settings.answer_words:
                 n_words = min(n_words, self.settings.answer_words)
-            ended = "length" if n_words == sampling.max_tokens else "stop"
+            ended: Literal["length", "stop"] = (
+                "length" if n_words == sampling.max_tokens else "stop"
+            )
             for step in range(n_words):
                 if request_id in self._aborted:
                     return
