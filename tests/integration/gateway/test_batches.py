@@ -201,7 +201,11 @@ async def test_runner_and_router_killed_mid_batch(db_settings: Settings) -> None
             ids = [r["custom_id"] for r in out]
             assert len(ids) == n and set(ids) == {f"req-{i}" for i in range(n)}
             assert done.request_counts.completed == n and done.request_counts.failed == 0
-            assert runner.answered + fresh.answered == n
+            # Each runner counts the lines it committed. A line whose commit was in flight when
+            # the runner was killed can commit uncounted (the await is cancelled, the database
+            # write is not): up to batch.max_inflight of them.
+            counted = runner.answered + fresh.answered
+            assert n - db_settings.batch.max_inflight <= counted <= n
 
 
 async def _answered(runner: BatchRunner, n: int) -> bool:
