@@ -357,8 +357,8 @@ def create_app(
     @app.post("/v1/responses")
     async def create_response(body: ResponseCreate, key: KeyDep) -> Response:
         store = body.store if body.store is not None else app.state.responses is not None
-        if store:
-            response_store()
+        if store or body.background:
+            response_store()  # a 400 when responses are not stored here, before any admission
         history = []
         if body.previous_response_id:
             prev = await response_store().get(body.previous_response_id, key.key_id)
