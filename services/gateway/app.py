@@ -453,16 +453,16 @@ def create_app(
     ) -> Response:
         """Store the response ``queued`` and answer with it; ``background.run_background``
         runs it. A full gateway or pool is still a 503 / 429 here, before anything is stored."""
-        try:
-            admit_capacity(req.model)
-        except ApiError:
-            limiter.settle(key, reserved, 0)
-            limiter.refund_request(key)
-            raise
         store = response_store()
         shape.body["status"] = "queued"
         response_id = shape.body["id"]
-        await store.put(response_id, key.key_id, shape.body, pending_history(conversation))
+        try:
+            admit_capacity(req.model)
+            await store.put(response_id, key.key_id, shape.body, pending_history(conversation))
+        except BaseException:
+            limiter.settle(key, reserved, 0)
+            limiter.refund_request(key)
+            raise
         answer = JSONResponse(shape.body, headers={"X-Request-Id": response_id})
         background.start(
             response_id,

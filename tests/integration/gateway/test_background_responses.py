@@ -71,6 +71,7 @@ async def test_background_response_is_polled_to_its_end(db_settings: Settings) -
 async def test_cancel_a_background_response(db_settings: Settings) -> None:
     db_settings.fake_engine.per_token_s = 0.05
     db_settings.fake_engine.per_prompt_token_s = 0.05
+    db_settings.gateway.max_inflight = 1
     key = await ensure_dev_key(db_settings)
     async with GatewayFleet(db_settings) as fleet:
         await fleet.add_worker("w1")
@@ -81,6 +82,10 @@ async def test_cancel_a_background_response(db_settings: Settings) -> None:
                 model="auto", input="a long story", max_output_tokens=400, background=True
             )
             await status_is(c, r.id, "in_progress")
+            # The gateway is full (gateway.max_inflight): the create itself says so.
+            with pytest.raises(openai.InternalServerError) as full:
+                await c.responses.create(model="auto", input="x", background=True)
+            assert full.value.status_code == 503
             cancelled = await c.responses.cancel(r.id)
             assert cancelled.status == "cancelled" and cancelled.id == r.id
             # The run stopped: the ledger says so, and the stored status stays cancelled.
