@@ -5,7 +5,8 @@ It produces deterministic pseudo-words on a timing model (``FakeEngineSettings``
 costs ``per_token_s`` plus ``per_row_s`` for every other request the worker runs at that moment
 (:meth:`FakeBackend.token_s`), so its ITL grows with its batch as a real engine's step does.
 configs/fake-calibrated.toml sets them to the real worker's measured costs. Tokens are whitespace-separated words hashed to ids, so prefix overlap and
-KV events behave like a real worker's at block granularity.
+KV events behave like a real worker's at block granularity. An answer runs to ``max_tokens``
+("length"), or ends after ``answer_words`` words ("stop") when that knob is set and fewer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.protocol import ChatMessage, Priority, SamplingParams
@@ -179,7 +181,15 @@ class FakeBackend:
                 return
             rngs = [random.Random(f"{sampling.seed}:{i}:{n_prompt}") for i in range(sampling.n)]
             done = [False] * sampling.n
-            for step in range(sampling.max_tokens):
+            # Words an answer has: max_tokens (finish "length"), or answer_words when fewer
+            # (finish "stop", as a model's end of sequence).
+            n_words = sampling.max_tokens
+            if self.settings.answer_words:
+                n_words = min(n_words, self.settings.answer_words)
+            ended: Literal["length", "stop"] = (
+                "length" if n_words == sampling.max_tokens else "stop"
+            )
+            for step in range(n_words):
                 if request_id in self._aborted:
                     return
                 if step > skip:
@@ -191,7 +201,7 @@ class FakeBackend:
                     if step < skip:  # same draws as the first worker, not streamed again
                         continue
                     text = word if step == 0 else " " + word
-                    last = step == sampling.max_tokens - 1
+                    last = step == n_words - 1
                     stop_hit = any(s and s in text for s in sampling.stop)
                     if stop_hit:
                         done[i] = True
@@ -202,7 +212,7 @@ class FakeBackend:
                         i,
                         text,
                         [_word_id(word)],
-                        "length" if last else None,
+                        ended if last else None,
                         None,
                         n_prompt,
                         cached,

@@ -123,6 +123,9 @@ class GatewaySettings(BaseModel):
     # Messages a stored conversation may hold (instructions aside); a follow-up past it through
     # previous_response_id is a 400 naming this setting.
     response_history_max_messages: int = Field(default=256, ge=1)
+    # Seconds a stopping gateway waits for its background responses to store themselves
+    # "failed" (services/gateway/background.py) before it closes the database.
+    background_stop_s: float = Field(default=5.0, gt=0)
 
 
 class BatchSettings(BaseModel):
@@ -550,6 +553,10 @@ class FakeEngineSettings(BaseModel):
     per_row_s: float = Field(default=0.0, ge=0)
     per_prompt_token_s: float = Field(default=0.0002, ge=0)
     max_model_len: int = 4096
+    # Words of a text answer before it ends with finish_reason "stop" (a model's end of
+    # sequence), when fewer than the request's max_tokens; 0: every answer runs to max_tokens
+    # ("length"). Agent loops need answers that end: an SDK reads "length" as a failed turn.
+    answer_words: int = Field(default=0, ge=0)
 
 
 class RuntimeSettings(BaseModel):

@@ -1,12 +1,15 @@
 """Stored responses (``POST /v1/responses`` with ``store``): put, get and delete by id, each
-scoped to the API key that created the response (another key's id reads as absent)."""
+scoped to the API key that created the response (another key's id reads as absent). A
+background response (``services.gateway.background``) is put when it is queued and moved on by
+``advance``, which only writes while the stored status is still one the writer expects, so a
+cancel and the run's own end cannot overwrite each other."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from libs.db import Database
@@ -57,4 +60,24 @@ class ResponseStore:
     async def delete(self, response_id: str, api_key_id: str | None) -> bool:
         async with self.db.session() as s, s.begin():
             r = await s.execute(delete(StoredResponse).where(*_owned(response_id, api_key_id)))
+            return bool(getattr(r, "rowcount", 0))
+
+    async def advance(
+        self,
+        response_id: str,
+        api_key_id: str | None,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+        from_statuses: tuple[str, ...],
+    ) -> bool:
+        """Replace the response's body and conversation if its stored ``status`` is one of
+        ``from_statuses``; False if it is not (cancelled, ended or deleted meanwhile). One
+        conditional UPDATE, so the check and the write are atomic on SQLite and PostgreSQL."""
+        status = StoredResponse.body["status"].as_string()
+        async with self.db.session() as s, s.begin():
+            r = await s.execute(
+                update(StoredResponse)
+                .where(*_owned(response_id, api_key_id), status.in_(from_statuses))
+                .values(body=body, history=history)
+            )
             return bool(getattr(r, "rowcount", 0))

@@ -37,6 +37,13 @@ from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
+from services.gateway.background import (
+    ACTIVE,
+    ENDED_WITH_OUTPUT,
+    BackgroundRuns,
+    pending_history,
+    run_background,
+)
 from services.gateway.batch_runner import BatchRunner
 from services.gateway.batches import install_batch_routes
 from services.gateway.body_limit import BodyLimit
@@ -104,6 +111,8 @@ def create_app(
             settle_heap(settings)
             yield
         finally:
+            # Before the database closes: each stops as a stored "failed" response.
+            await app.state.background.stop(g.background_stop_s)
             if app.state.batch_runner is not None:
                 await app.state.batch_runner.stop()
             if ledger is not None:
@@ -123,6 +132,7 @@ def create_app(
     app.state.responses = None
     app.state.batches = None
     app.state.batch_runner = None
+    app.state.background = background = BackgroundRuns()
     app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
     app.state.cache = cache = ResponseCache(g)
     install_handlers(app)
@@ -347,8 +357,8 @@ def create_app(
     @app.post("/v1/responses")
     async def create_response(body: ResponseCreate, key: KeyDep) -> Response:
         store = body.store if body.store is not None else app.state.responses is not None
-        if store:
-            response_store()
+        if store or body.background:
+            response_store()  # a 400 when responses are not stored here, before any admission
         history = []
         if body.previous_response_id:
             prev = await response_store().get(body.previous_response_id, key.key_id)
@@ -357,6 +367,15 @@ def create_app(
                     400,
                     f"Previous response with id '{body.previous_response_id}' not found.",
                     "previous_response_not_found",
+                    "previous_response_id",
+                )
+            if prev.body.get("status") not in ENDED_WITH_OUTPUT:
+                raise ApiError(
+                    400,
+                    f"Previous response with id '{body.previous_response_id}' is "
+                    f"{prev.body.get('status')}; only a completed or incomplete one can be "
+                    "continued.",
+                    "invalid_request",
                     "previous_response_id",
                 )
             history = [msgspec.convert(m, ChatMessage) for m in prev.history]
@@ -397,6 +416,8 @@ def create_app(
         shape = ResponseShape(body, response_id, body.model, store)
         reserved = limiter.admit(key, estimate_tokens(req))
         aliases = {"structured_outputs.json": "text.format"}
+        if body.background:
+            return await start_background(shape, conversation, req, key, reserved, aliases)
         run, first = await begin("chat", req, key, reserved, False, aliases)
         shape.body["model"] = run.shaper.model
         headers = {"X-Request-Id": response_id}
@@ -422,8 +443,53 @@ def create_app(
         await keep()
         return JSONResponse(out, headers=headers)
 
+    async def start_background(
+        shape: ResponseShape,
+        conversation: list[ChatMessage],
+        req: GenerateRequest,
+        key: KeyInfo,
+        reserved: int,
+        aliases: dict[str, str],
+    ) -> Response:
+        """Store the response ``queued`` and answer with it; ``background.run_background``
+        runs it. A full gateway or pool is still a 503 / 429 here, before anything is stored."""
+        store = response_store()
+        shape.body["status"] = "queued"
+        response_id = shape.body["id"]
+        try:
+            admit_capacity(req.model)
+            await store.put(response_id, key.key_id, shape.body, pending_history(conversation))
+        except BaseException:
+            limiter.settle(key, reserved, 0)
+            limiter.refund_request(key)
+            raise
+        answer = JSONResponse(shape.body, headers={"X-Request-Id": response_id})
+        background.start(
+            response_id,
+            run_background(
+                store,
+                key.key_id,
+                shape,
+                conversation,
+                lambda: begin("chat", req, key, reserved, False, aliases),
+            ),
+        )
+        return answer
+
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, key: KeyDep) -> dict[str, Any]:
+    async def get_response(
+        response_id: str,
+        key: KeyDep,
+        stream: bool = False,
+        starting_after: int | None = None,
+    ) -> dict[str, Any]:
+        if stream or starting_after is not None:
+            raise ApiError(
+                400,
+                "a stored response is read whole here; streaming it again is not supported",
+                "unsupported_parameter",
+                "stream" if stream else "starting_after",
+            )
         row = await response_store().get(response_id, key.key_id)
         if row is None:
             raise response_not_found(response_id)
@@ -447,17 +513,32 @@ def create_app(
     async def delete_response(response_id: str, key: KeyDep) -> dict[str, Any]:
         if not await response_store().delete(response_id, key.key_id):
             raise response_not_found(response_id)
+        background.cancel(response_id)  # nobody will read it: stop generating it
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, key: KeyDep) -> dict[str, Any]:
-        row = await response_store().get(response_id, key.key_id)
+        store = response_store()
+        row = await store.get(response_id, key.key_id)
         if row is None:
             raise response_not_found(response_id)
-        # Every response here ran in the foreground (background is refused): OpenAI's answer.
-        raise ApiError(
-            400, "Only background responses can be cancelled.", "invalid_request", "response_id"
-        )
+        if not row.body.get("background"):  # OpenAI's answer for a foreground response
+            raise ApiError(
+                400, "Only background responses can be cancelled.", "invalid_request", "response_id"
+            )
+        if row.body.get("status") not in ACTIVE:
+            return row.body  # ended (or cancelled before): as it is
+        cancelled = {**row.body, "status": "cancelled"}
+        if not await store.advance(response_id, key.key_id, cancelled, row.history, ACTIVE):
+            got = await store.get(response_id, key.key_id)  # it ended meanwhile
+            if got is None:
+                raise response_not_found(response_id)
+            return got.body
+        if not background.cancel(response_id):
+            # Another replica runs it: free the workers now; that replica's wait for the
+            # stream ends at its idle timeout and its writes are no-ops.
+            await app.state.fleet.cancel(response_id, "cancelled")
+        return cancelled
 
     install_batch_routes(app, settings)
     return app

@@ -11,7 +11,8 @@ stream events (``response.created`` … ``response.output_text.delta`` …
 ``response.function_call_arguments.delta`` … ``response.completed`` / ``response.incomplete``,
 ``error``). With ``store`` (OpenAI's default) the response and its conversation are kept per
 API key (``libs.db.responses``) for ``GET``, ``DELETE`` and a follow-up's
-``previous_response_id``. No field is accepted and ignored: see ``UNSUPPORTED_RESPONSE_FIELDS``.
+``previous_response_id``; with ``background`` it runs after the create has returned
+(``background.py``). No field is accepted and ignored: see ``UNSUPPORTED_RESPONSE_FIELDS``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ _JSON = msgspec.json.Encoder()
 # Fields of OpenAI's Responses request that Strait refuses when set (to anything but null / an
 # empty value / their no-op value), with the reason the 400 gives.
 UNSUPPORTED_RESPONSE_FIELDS: dict[str, str] = {
-    "background": "background responses are not supported; stream instead",
     "conversation": "conversations are not supported; use previous_response_id",
     "include": "no extra output data (include) is available",
     "max_tool_calls": "max_tool_calls is not supported",
@@ -123,8 +123,9 @@ class ResponseCreate(_Strict):
     prompt_cache_retention: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None  # a prompt too long is a 413, never cut
-    # Refused when set (UNSUPPORTED_RESPONSE_FIELDS).
+    # Run after the create returns (services.gateway.background); not with stream, not unstored.
     background: bool | None = None
+    # Refused when set (UNSUPPORTED_RESPONSE_FIELDS).
     conversation: Any = None
     include: list[str] | None = None
     max_tool_calls: Any = None
@@ -138,6 +139,15 @@ class ResponseCreate(_Strict):
         for name, why in UNSUPPORTED_RESPONSE_FIELDS.items():
             if getattr(self, name) not in (None, "", [], False, 0, {}):
                 raise UnsupportedField(name, why)
+        if self.background and self.stream:
+            raise UnsupportedField(
+                "stream",
+                "background responses are not streamed; poll GET /v1/responses/{id}",
+            )
+        if self.background and self.store is False:
+            raise UnsupportedField(
+                "store", "background responses are stored; store cannot be false"
+            )
         if isinstance(self.input, str) and not self.input and not self.previous_response_id:
             raise ValueError("input must not be empty")
         return self
@@ -299,7 +309,7 @@ class ResponseShape:
             "object": "response",
             "created_at": int(time.time()),
             "status": "in_progress",
-            "background": False,
+            "background": body.background is True,
             "error": None,
             "incomplete_details": None,
             "instructions": body.instructions,

@@ -71,3 +71,26 @@ def test_default_has_no_batch_cost_and_calibrated_profile_loads() -> None:
     assert cal.per_row_s > 0
     assert cal.per_token_s > cal.per_row_s
     assert cal.per_prompt_token_s > 0
+
+
+async def test_answer_words_ends_an_answer_with_stop_before_max_tokens() -> None:
+    """``answer_words`` makes a text answer end like a model's end of sequence ("stop");
+    an answer cut by max_tokens first still reports "length"."""
+
+    async def finish(s: FakeEngineSettings, max_tokens: int) -> tuple[int, str | None]:
+        backend = FakeBackend(s)
+        sampling = SamplingParams(max_tokens=max_tokens)
+        prompt = backend.prepare(
+            prompt="hello there", prompt_token_ids=None, messages=None, sampling=sampling
+        )
+        chunks = [c async for c in backend.generate("r", prompt, sampling, "interactive")]
+        return len(chunks), chunks[-1].finish_reason
+
+    quick = FakeEngineSettings(per_token_s=0.0, per_prompt_token_s=0.0, answer_words=3)
+    assert await finish(quick, 10) == (3, "stop")
+    assert await finish(quick, 2) == (2, "length")
+    assert await finish(quick, 3) == (3, "length")
+    assert await finish(FakeEngineSettings(per_token_s=0.0, per_prompt_token_s=0.0), 10) == (
+        10,
+        "length",
+    )

@@ -1,6 +1,7 @@
 """The Files and Batch APIs as the official ``openai`` SDK calls them, on FAKE workers: a batch
 answered line for line (bad lines in the error file, billed to the key), refusals, cancel, and
-a batch runner and router killed mid-batch losing and doubling nothing."""
+a batch runner and router killed mid-batch losing and doubling nothing; each on SQLite and on
+PostgreSQL (``TEST_DATABASE_URL``)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,12 @@ async def read_jsonl(c: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]
     return [json.loads(x) for x in content.text.splitlines()]
 
 
-async def test_batch_through_the_sdk(gw_settings: Settings) -> None:
-    key = await ensure_dev_key(gw_settings)
-    other = await new_key(gw_settings, "other")
+async def test_batch_through_the_sdk(db_settings: Settings) -> None:
+    key = await ensure_dev_key(db_settings)
+    other = await new_key(db_settings, "other")
     good = [line(i) for i in range(48)]
     bad = [line(48, stream=True), line(49, foo=1)]
-    async with GatewayFleet(gw_settings) as fleet:
+    async with GatewayFleet(db_settings) as fleet:
         await fleet.add_worker("w1")
         base = await fleet.gateway()
         await fleet.wait_workers(1)
@@ -129,7 +130,7 @@ async def test_batch_through_the_sdk(gw_settings: Settings) -> None:
             assert failed.errors.data is not None and failed.errors.data[0].line == 1
 
     # Billed to the key: one ledger row a line that ran, as priority batch.
-    rows = await eventually(lambda: _batch_rows(gw_settings, 48), timeout=10.0)
+    rows = await eventually(lambda: _batch_rows(db_settings, 48), timeout=10.0)
     assert {r.api_key_id for r in rows} == {key.split("-")[2]}
 
 
@@ -140,11 +141,11 @@ async def _batch_rows(settings: Settings, n: int) -> list[Any]:
     return rows if len(rows) >= n and all(r.status == "ok" for r in rows) else []
 
 
-async def test_cancel_a_batch(gw_settings: Settings) -> None:
-    gw_settings.fake_engine.per_token_s = 0.02
-    gw_settings.batch.max_inflight = 2
-    key = await ensure_dev_key(gw_settings)
-    async with GatewayFleet(gw_settings) as fleet:
+async def test_cancel_a_batch(db_settings: Settings) -> None:
+    db_settings.fake_engine.per_token_s = 0.02
+    db_settings.batch.max_inflight = 2
+    key = await ensure_dev_key(db_settings)
+    async with GatewayFleet(db_settings) as fleet:
         await fleet.add_worker("w1")
         base = await fleet.gateway()
         await fleet.wait_workers(1)
@@ -169,13 +170,13 @@ async def test_cancel_a_batch(gw_settings: Settings) -> None:
                 await c.batches.cancel(small.id)
 
 
-async def test_runner_and_router_killed_mid_batch(gw_settings: Settings) -> None:
-    gw_settings.fake_engine.per_token_s = 0.01
-    gw_settings.batch.max_inflight = 4
-    gw_settings.batch.ack_wait_s = 1.5
-    key = await ensure_dev_key(gw_settings)
+async def test_runner_and_router_killed_mid_batch(db_settings: Settings) -> None:
+    db_settings.fake_engine.per_token_s = 0.01
+    db_settings.batch.max_inflight = 4
+    db_settings.batch.ack_wait_s = 1.5
+    key = await ensure_dev_key(db_settings)
     n = 60
-    async with GatewayFleet(gw_settings) as fleet:
+    async with GatewayFleet(db_settings) as fleet:
         await fleet.add_worker("w1")
         base = await fleet.gateway()
         await fleet.wait_workers(1)
@@ -200,7 +201,11 @@ async def test_runner_and_router_killed_mid_batch(gw_settings: Settings) -> None
             ids = [r["custom_id"] for r in out]
             assert len(ids) == n and set(ids) == {f"req-{i}" for i in range(n)}
             assert done.request_counts.completed == n and done.request_counts.failed == 0
-            assert runner.answered + fresh.answered == n
+            # Each runner counts the lines it committed. A line whose commit was in flight when
+            # the runner was killed can commit uncounted (the await is cancelled, the database
+            # write is not): up to batch.max_inflight of them.
+            counted = runner.answered + fresh.answered
+            assert n - db_settings.batch.max_inflight <= counted <= n
 
 
 async def _answered(runner: BatchRunner, n: int) -> bool:

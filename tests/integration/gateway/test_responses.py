@@ -171,7 +171,8 @@ async def test_responses_through_the_sdk(gw_settings: Settings) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": True, "stream": True}, "stream"),
+        ({"background": True, "store": False}, "store"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
