@@ -131,7 +131,7 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         self.nc, self.js, self.settings = nc, js, settings
-        self.cfg = settings.router
+        self.cfg, self.fleet = settings.router, settings.fleet
         self.registry = registry
         self.classifier = classifier or build_classifier(settings)
         self.hashers = hashers or PrefixHashers(settings)
@@ -150,7 +150,7 @@ class Router:
         )
         self._tracer = tracer("strait.router")
         # Requests waiting for a worker to come to their pool, by pool (bounded by
-        # router.max_pool_queue), and the decision slots of the service (services.router.main
+        # fleet.max_pool_queue), and the decision slots of the service (services.router.main
         # sets them; ``handle`` holds one): a request that waits gives its slot back meanwhile,
         # so other pools' requests keep being routed.
         self.waiting: dict[str, int] = {}
@@ -215,7 +215,7 @@ class Router:
                     "no_worker",
                     f"no live worker in pool {pool!r}"
                     + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                     pools=list(choice.allowed),
                 )
             factors.append(f"no_live_worker:{pool}")
@@ -227,12 +227,12 @@ class Router:
                 pool, code = roomy[0], "spill_saturated"
         workers = live[pool]
         queue = sum([w.beat.waiting + len(w.pending_at) for w in workers])
-        if queue >= self.cfg.max_pool_queue:
+        if queue >= self.fleet.max_pool_queue:
             return Rejection(
                 "no_capacity",
-                f"pool {pool!r} has {queue} queued requests (router.max_pool_queue="
-                f"{self.cfg.max_pool_queue})",
-                retry_after_s=self.cfg.retry_after_s,
+                f"pool {pool!r} has {queue} queued requests (fleet.max_pool_queue="
+                f"{self.fleet.max_pool_queue})",
+                retry_after_s=self.fleet.retry_after_s,
             )
         first = workers[0].beat
         hashes, n_tokens = self.prefix(
@@ -252,7 +252,7 @@ class Router:
                 return Rejection(
                     "no_worker",
                     f"no live decode worker in pool {pool!r}",
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                     pools=[pool],
                 )
             by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
@@ -310,12 +310,12 @@ class Router:
             return decision
         assert isinstance(decision, Rejection)
         key = decision.pools[0]
-        if self.waiting.get(key, 0) >= self.cfg.max_pool_queue:
+        if self.waiting.get(key, 0) >= self.fleet.max_pool_queue:
             return Rejection(
                 "no_capacity",
                 f"{self.waiting[key]} requests already wait for a worker in pool {key!r} "
-                f"(router.max_pool_queue={self.cfg.max_pool_queue})",
-                retry_after_s=self.cfg.retry_after_s,
+                f"(fleet.max_pool_queue={self.fleet.max_pool_queue})",
+                retry_after_s=self.fleet.retry_after_s,
             )
         t0 = last_keepalive = time.monotonic()
         self.waiting[key] = self.waiting.get(key, 0) + 1
@@ -477,7 +477,7 @@ class Router:
         # interleave at every await, and must see each other's choices or they all herd onto
         # the worker that looked idlest in the last beat.
         reserved = self.registry.on_assigned(decision.ranked[0].worker.worker_id)
-        watched = self.cfg.replace_lost and await self.watch.watch(req)
+        watched = self.fleet.replace_lost and await self.watch.watch(req)
         for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
             route = decision.route(p)
             if i > 0:
@@ -495,7 +495,7 @@ class Router:
             Rejection(
                 "no_capacity",
                 f"no worker in pool {decision.pool!r} accepted the request",
-                retry_after_s=self.cfg.retry_after_s,
+                retry_after_s=self.fleet.retry_after_s,
             ),
         )
         return None
@@ -544,7 +544,7 @@ class Router:
                 Rejection(
                     "worker_lost",
                     f"worker {worker_id!r} {what} {when}; {refusal}",
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                 ),
             )
             return
