@@ -19,7 +19,7 @@ class CacheSettings(Section):
     disk_bytes: int = 8 * 1024 * 1024 * 1024
     """Disk tier budget: bytes of block files kept under `disk_dir`."""
     lookup_timeout_s: float = 0.5
-    """Client: seconds to wait for a lookup reply, and for a whole fetch (head + chunks)."""
+    """Client: seconds to wait for a lookup reply."""
     fetch_timeout_s: float = 5.0
     """Client: seconds to wait for a whole fetch (head + chunks)."""
     chunk_bytes: int = 0

@@ -39,7 +39,7 @@ class GatewaySettings(Section):
     open_models: bool = False
     """Serve /v1/models without an API key."""
     default_rpm: int = 600
-    """Per-key defaults; a key may carry its own."""
+    """Requests per minute of a key that sets none (a key may carry its own limits)."""
     default_tpm: int = 200_000
     """Tokens per minute (prompt + output) of a key that sets none."""
     response_cache_enabled: bool = True

@@ -14,8 +14,9 @@ class PoolPlanSettings(Section):
     of one role: aggregated (or decode) workers, and prefill workers of a disaggregated pool."""
 
     min_replicas: int = Field(default=1, ge=0)
-    """Bounds. min_replicas = 0 lets the pool scale to zero after `planner.idle_to_zero_s`
-    without arrivals (its next request then waits a worker's start, or gets no_worker)."""
+    """Fewest aggregated (or decode) workers. 0 lets the pool scale to zero after
+    `planner.idle_to_zero_s` without arrivals (its next request then waits a worker's start,
+    or gets no_worker)."""
     max_replicas: int = Field(default=4, ge=1)
     """Most aggregated (or decode) workers."""
     min_prefill_replicas: int = Field(default=1, ge=0)
@@ -23,14 +24,14 @@ class PoolPlanSettings(Section):
     max_prefill_replicas: int = Field(default=4, ge=1)
     """Most prefill workers of a disaggregated pool."""
     ttft_slo_s: float = Field(default=2.0, gt=0)
-    """The SLO the pool is sized for: time to first token as the client sees it (router queue
-    + worker), and time between tokens, both at `planner.slo_quantile`."""
+    """Time to first token the pool is sized for, as the client sees it (router queue +
+    worker), at `planner.slo_quantile`."""
     itl_slo_s: float = Field(default=0.1, gt=0)
     """Time between tokens the pool is sized for, at `planner.slo_quantile`."""
     prior_concurrency: int = Field(default=0, ge=0)
-    """Priors until a worker's capacity is measured (`planner.min_samples` finished requests):
-    sequences one worker runs within the ITL SLO (0: the capacity its beats report), seconds
-    a request holds a worker, and prompt tokens a second one prefill worker computes."""
+    """Prior until a worker's capacity is measured (`planner.min_samples` finished requests,
+    as for the other priors): sequences one worker runs within the ITL SLO; 0: the capacity its
+    beats report."""
     prior_service_s: float = Field(default=5.0, gt=0)
     """Prior: seconds a request holds a worker."""
     prior_prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
@@ -57,8 +58,7 @@ class PlannerSettings(Section):
     """Who applies the decisions the planner publishes: "local" (the `strait up` supervisor
     subscribes), "kubernetes" (the planner sets Deployment replicas itself), "none" (advice)."""
     interval_s: float = Field(default=2.0, gt=0)
-    """Seconds between decisions; seconds of one step of the arrival series the forecast reads,
-    and how much of it is kept."""
+    """Seconds between decisions."""
     bucket_s: float = Field(default=5.0, gt=0)
     """Seconds of one step of the arrival series the forecast reads."""
     history_s: float = Field(default=900.0, gt=0)
@@ -86,8 +86,7 @@ class PlannerSettings(Section):
     slo_quantile: float = Field(default=0.9, gt=0, lt=1)
     """Quantile of TTFT and ITL compared with the pool's SLO."""
     scale_up_cooldown_s: float = Field(default=5.0, ge=0)
-    """Seconds after a change before the next scale-up / scale-down; a scale-down also needs
-    every decision of the last `scale_down_stable_s` to have wanted fewer workers."""
+    """Seconds after a change before the next scale-up."""
     scale_down_cooldown_s: float = Field(default=60.0, ge=0)
     """Seconds after a change before the next scale-down."""
     scale_down_stable_s: float = Field(default=60.0, ge=0)
@@ -101,14 +100,13 @@ class PlannerSettings(Section):
     idle_to_zero_s: float = Field(default=300.0, gt=0)
     """A pool with min_replicas = 0 goes to zero after this long without an arrival."""
     min_samples: int = Field(default=20, ge=1)
-    """Finished requests (per pool and role) before measured capacity replaces the priors, and
-    how many recent ones are kept."""
+    """Finished requests (per pool and role) before measured capacity replaces the priors."""
     max_samples: int = Field(default=2000, ge=10)
     """Recent finished requests kept per pool and role."""
     decision_max_age_s: float = Field(default=30.0, gt=0)
     """An actuator ignores a decision older than this (a planner's clock or a stale message)."""
     kubernetes_namespace: str = "strait"
-    """Kubernetes actuator: the namespace, and the Deployments of each pool's roles."""
+    """Kubernetes actuator: the namespace of the pools' Deployments."""
     kubernetes_deployment: str = "strait-worker-{pool}"
     """Kubernetes actuator: Deployment of a pool's aggregated (or decode) workers (`{pool}`
     replaced)."""

@@ -24,11 +24,10 @@ class RuntimeSettings(Section):
     what serving allocated, not the libraries' start-up heap."""
     gc_freeze_interval_s: float = Field(default=1.0, ge=0)
     """With gc_freeze, seconds between freezes of what serving allocated since (collections then
-    scan at most this long's survivors), and between sweeps that thaw and fully collect the
-    frozen heap (cycles among frozen objects wait this long); 0 = never (libs/runtime.HeapKeeper)."""
+    scan at most this long's survivors); 0: never (libs/runtime.HeapKeeper)."""
     gc_sweep_interval_s: float = Field(default=600.0, ge=0)
-    """Seconds between sweeps that thaw and fully collect the frozen heap (see
-    `gc_freeze_interval_s`); 0: never."""
+    """Seconds between sweeps that thaw and fully collect the frozen heap (cycles among
+    frozen objects wait this long); 0: never."""
 
 
 class TelemetrySettings(Section):

@@ -56,8 +56,12 @@ class Settings(BaseSettings):
     """The NATS connection, subject prefix and JetStream streams of every process."""
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     """The OpenAI-compatible HTTP gateway (`strait gateway`, docs/gateway.md)."""
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+    """The Batch API (docs/gateway.md): its runners in the gateways, its room in the pools."""
     router: RouterSettings = Field(default_factory=RouterSettings)
     """The router (`strait router`, docs/router.md): pool choice, placement, re-placement."""
+    teams: TeamsSettings = Field(default_factory=TeamsSettings)
+    """Teams on NATS (docs/security.md), whose limits the router enforces."""
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     """A worker process (`strait decode`, `strait prefill`): its identity, beats and drain."""
     handoff: HandoffSettings = Field(default_factory=HandoffSettings)
@@ -66,26 +70,22 @@ class Settings(BaseSettings):
     """The engine each worker runs (docs/engine.md); a pool may replace some of it."""
     fake_engine: FakeEngineSettings = Field(default_factory=FakeEngineSettings)
     """The fake backend's timing model (pools with `backend = "fake"`)."""
+    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
+    """The pools of the fleet (`[[pools]]`, one table each)."""
     cache: CacheSettings = Field(default_factory=CacheSettings)
     """The prefix-cache service (`strait cache`, docs/cache.md) and its client in workers."""
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    """The planner (`strait planner`, docs/planner.md): sizes each pool ahead of its load."""
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    """`strait up`'s supervisor: restarts of crashed children, its /metrics."""
     models: ModelsSettings = Field(default_factory=ModelsSettings)
     """Where models are converted to, and whether their packages are installed."""
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     """The database of keys, the ledger, batches and stored responses."""
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     """Logs, traces and the /health, /ready, /metrics listener's address, in every process."""
-    teams: TeamsSettings = Field(default_factory=TeamsSettings)
-    """Teams on NATS (docs/security.md), whose limits the router enforces."""
-    batch: BatchSettings = Field(default_factory=BatchSettings)
-    """The Batch API (docs/gateway.md): its runners in the gateways, its room in the pools."""
-    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings()])
-    """The pools of the fleet (`[[pools]]`, one table each)."""
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     """How every service process runs: event loop, garbage collector."""
-    planner: PlannerSettings = Field(default_factory=PlannerSettings)
-    """The planner (`strait planner`, docs/planner.md): sizes each pool ahead of its load."""
-    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
-    """`strait up`'s supervisor: restarts of crashed children, its /metrics."""
     state_dir: str = Field(
         default=str(STATE_DIR), validation_alias=AliasChoices("STRAIT_STATE_DIR")
     )

@@ -57,7 +57,8 @@ class RouterSettings(Section):
     spill_over: bool = True
     """No live worker in the chosen pool: use another pool allowed for the request."""
     saturation_spill: bool = False
-    """Every worker of the chosen pool at or past this load: spill to an allowed pool below it."""
+    """Every worker of the chosen pool at or past `saturation_load`: spill to an allowed pool
+    below it."""
     saturation_load: float = 1.0
     """Load (running + waiting over capacity) at which a worker counts as full for
     `saturation_spill`."""
@@ -72,8 +73,7 @@ class RouterSettings(Section):
     waiting_for_worker) and goes on from the first worker that beats in the pool. Past it:
     no_worker / worker_lost. A warm restart under `strait up` takes ~13 s; 0: never wait."""
     max_watched: int = 10_000
-    """Requests watched at once, and how long a watched stream may stay silent before the
-    router forgets it."""
+    """Requests the router watches at once (to move them when their worker is lost)."""
     watch_ttl_s: float = 120.0
     """Seconds a watched stream may stay silent before the router forgets it."""
     stall_timeout_s: float = 30.0
@@ -96,9 +96,10 @@ class TeamsSettings(Section):
     writes: each team's limits, and which teams are revoked."""
 
     file: str = ""
-    """Empty: <state_dir>/secure/teams.json."""
+    """The teams file `strait teams` writes; empty: <state_dir>/secure/teams.json."""
     default_rpm: int = 600
-    """Limits of a team whose entry sets none, with the gateway's semantics (per router replica)."""
+    """Requests per minute of a team whose entry sets none, with the gateway's semantics (per
+    router replica)."""
     default_tpm: int = 200_000
     """Tokens per minute (prompt + output) of a team whose entry sets none."""
     reload_interval_s: float = 2.0

@@ -15,7 +15,7 @@ class DatabaseSettings(Section):
     pg_schema: str = ""
     """PostgreSQL only: the schema Strait's tables live in (empty: the server's search_path)."""
     ledger_batch: int = 256
-    """Ledger writer: events per database transaction, and seconds before a failed batch is retried."""
+    """Ledger writer: events per database transaction."""
     ledger_retry_s: float = 2.0
     """Ledger writer: seconds before a failed batch is retried."""
 

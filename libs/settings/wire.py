@@ -17,7 +17,8 @@ class NatsSettings(Section):
     connect_timeout_s: float = 2.0
     """Seconds one connection attempt to a server may take."""
     requests_stream: str = "STRAIT_REQUESTS"
-    """JetStream stream names; provisioning is idempotent."""
+    """The requests queue (the routers' work queue). Every stream is provisioned idempotently,
+    by name."""
     events_stream: str = "STRAIT_EVENTS"
     """Usage and route events (the ledger writer's input)."""
     kv_events_stream: str = "STRAIT_KV_EVENTS"

@@ -41,8 +41,8 @@ class WorkerSettings(Section):
     """Warm standby (docs/planner.md): load the model and connect, then wait for SIGUSR1 before
     beating and taking work (`strait up` sets it for `planner.warm_standby` workers)."""
     resend_window: int = 256
-    """Stream messages each stream keeps for readers that lost some (ResendRequest), and how
-    long after the stream ends; 0: no resends."""
+    """Stream messages each stream keeps for readers that lost some (ResendRequest); 0: no
+    resends."""
     resend_keep_s: float = 10.0
     """Seconds a finished stream's messages are kept for resends."""
 
