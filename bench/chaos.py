@@ -89,7 +89,7 @@ from typing import Any
 
 import httpx
 
-from bench.gateway_load import UNBOUNDED_GATEWAY
+from bench.gateway_load import UNBOUNDED, UNBOUNDED_GATEWAY
 from libs.nats_util import server_urls
 from tests.support.procs import ProcessFleet
 from tests.support.services import free_port, nats_binary, wait_port
@@ -477,6 +477,9 @@ class PrivatePostgres:
 
 def config_toml(opts: Opts) -> str:
     return f"""{UNBOUNDED_GATEWAY}
+[router]
+max_pool_queue = {UNBOUNDED}
+
 [fake_engine]
 per_token_s = {opts.per_token_s}
 per_prompt_token_s = 0.0
@@ -493,6 +496,9 @@ def disagg_config_toml(prefill_workers: int, decode_workers: int = 2) -> str:
     """One disaggregated pool on the real engine and the tiny model (the scenario's own
     ``models.dir``), with the prefix-cache service enabled."""
     return f"""{UNBOUNDED_GATEWAY}
+[router]
+max_pool_queue = {UNBOUNDED}
+
 [engine]
 block_size = 4
 kv_cache_bytes = {4 * 2**20}

@@ -490,14 +490,12 @@ async def client_main(args: argparse.Namespace) -> None:
 # never shape what a FAKE-engine bench measures. bench/chaos.py uses it too.
 UNBOUNDED = 1_000_000
 UNBOUNDED_GATEWAY = f"""
-[fleet]
-max_pool_queue = {UNBOUNDED}
-
 [gateway]
 auth_enabled = false
 open_metrics = true
 response_cache_enabled = false
 max_inflight = {UNBOUNDED}
+shed_queue_depth = {UNBOUNDED}
 default_rpm = {10**12}
 default_tpm = {10**15}
 """
@@ -508,6 +506,7 @@ def config_toml(args: argparse.Namespace) -> str:
     return f"""{UNBOUNDED_GATEWAY}ledger_enabled = false
 
 [router]
+max_pool_queue = {big}
 max_watched = {big}
 
 [worker]

@@ -339,7 +339,7 @@ ERRORS: dict[str, str] = {
     "unsupported_version": "router, worker: `v` not in the supported versions",
     "context_length_exceeded": "worker: prompt + max_tokens exceed the model's context",
     "model_not_found": "router: `model` names no pool or model served here (`param: model`)",
-    "no_capacity": "router: the pool's queue is at `fleet.max_pool_queue`, or no worker accepted",
+    "no_capacity": "router: the pool's queue is at `router.max_pool_queue`, or no worker accepted",
     "no_worker": "router: no live worker in the pool (nor a pool to spill to)",
     "rate_limited": "gateway (per-key limits); router (per-team limits: requests from a team's account, and from the gateway for keys of a team)",
     "permission_denied": "router: the request's team was revoked (docs/security.md)",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from libs.settings.engine import SpeculativeSettings
 from libs.settings.section import Section
 
@@ -18,21 +16,16 @@ from libs.settings.section import Section
 class FleetSettings(Section):
     """Read by several services; give every process the same values (one settings file)."""
 
-    worker_ttl_s: float = Field(default=1.5, gt=0)
+    worker_ttl_s: float = 1.5
     """Seconds without a beat after which a worker is not live: the router drops it and moves
     its requests, the gateway and planner stop counting it, and the worker itself stops
     writing its streams (they run elsewhere by then). Keep several `worker.beat_interval_s`
     within it."""
-    max_pool_queue: int = Field(default=256, ge=0)
-    """Requests waiting in a pool past which new work for it is refused. The gateway counts the
-    `waiting` of the pool's beats and answers 429 queue_full before publishing; the router
-    counts waiting + offered (its authoritative check, for every client) and answers
-    no_capacity; it also bounds the requests the router holds for a worker coming back
-    (`router.worker_return_wait_s`)."""
-    retry_after_s: float = Field(default=2.0, ge=0)
-    """Seconds a refused client is told to wait (`Retry-After`, `retry_after_s`) when the fleet
-    has no room: the gateway's in-flight limit and queue_full, the router's no_worker and
-    no_capacity, a prefill worker's failed handoff."""
+    retry_after_s: float = 2.0
+    """Seconds a client is told to wait (`retry_after_s`, HTTP `Retry-After`) when the fleet
+    cannot place its request: the router's no_worker and no_capacity, a prefill worker's
+    no_worker or failed handoff. The gateway's own load shedding has its own
+    (`gateway.shed_retry_after_s`)."""
     replace_lost: bool = True
     """Place a request again when its worker stops beating: from scratch before its first
     token, as a migration (the tokens streamed so far carried over) after it. Workers read it

@@ -29,6 +29,14 @@ class GatewaySettings(Section):
     """Seconds the gateway waits for the first stream message before giving up with 503."""
     idle_timeout_s: float = 60.0
     """Seconds of silence allowed between stream messages once a request is running."""
+    shed_queue_depth: int = 256
+    """Waiting requests of the target pool (the `waiting` of its live workers' beats; for
+    `auto`, the least loaded pool) at which the gateway sheds new work with 429 queue_full,
+    before publishing it. Keep it below `router.max_pool_queue`, the router's hard bound
+    (503 no_capacity), so HTTP clients are told to slow down first."""
+    shed_retry_after_s: float = 1.0
+    """`Retry-After` of the gateway's own refusals: queue_full, its in-flight limit
+    (`max_inflight`), a batch whose lines it could not queue."""
     auth_enabled: bool = True
     """Require an API key (`Authorization: Bearer`) on /v1 routes; false: every caller is the
     anonymous key."""

@@ -21,15 +21,13 @@ from pydantic_settings import (
 
 log = logging.getLogger(__name__)
 
-# (old section, old field) -> (new section, new field). Two old names of one new field (the
-# gateway's and the router's queue bound): the first one set applies, the other is ignored.
+# (old section, old field) -> (new section, new field).
 RENAMED: dict[tuple[str, str], tuple[str, str]] = {
     ("router", "worker_ttl_s"): ("fleet", "worker_ttl_s"),
-    ("gateway", "max_pool_queue"): ("fleet", "max_pool_queue"),
-    ("router", "max_pool_queue"): ("fleet", "max_pool_queue"),
-    ("gateway", "retry_after_s"): ("fleet", "retry_after_s"),
     ("router", "retry_after_s"): ("fleet", "retry_after_s"),
     ("router", "replace_lost"): ("fleet", "replace_lost"),
+    ("gateway", "max_pool_queue"): ("gateway", "shed_queue_depth"),
+    ("gateway", "retry_after_s"): ("gateway", "shed_retry_after_s"),
 }
 
 ENVIRONMENT = "in the environment"

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     )
 
     fleet: FleetSettings = Field(default_factory=FleetSettings)
-    """Values several services read: worker liveness, the pool queue bound, Retry-After."""
+    """Values several services read: worker liveness, Retry-After, re-placement."""
     nats: NatsSettings = Field(default_factory=NatsSettings)
     """The NATS connection, subject prefix and JetStream streams of every process."""
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)

@@ -54,6 +54,11 @@ class RouterSettings(Section):
     """Uncached prompt tokens that cost as much as one fully loaded worker."""
     tie_epsilon: float = 0.05
     """Costs within this of the best are ties, chosen between at random (no herding)."""
+    max_pool_queue: int = 512
+    """Requests waiting in a pool (its workers' beats plus assignments offered since) at which
+    the router refuses new work for it with no_capacity, for every client; also the most
+    requests it holds for a worker coming back (`worker_return_wait_s`). The gateway sheds
+    HTTP work earlier (`gateway.shed_queue_depth`)."""
     spill_over: bool = True
     """No live worker in the chosen pool: use another pool allowed for the request."""
     saturation_spill: bool = False
@@ -69,7 +74,7 @@ class RouterSettings(Section):
     """A worker lost without draining (a crash or kill: `strait up`'s supervisor, the planner or
     Kubernetes brings it back) makes its pool "coming back" for this long: the pool's new
     requests stay queued for a worker instead of a 503 no_worker (at most
-    fleet.max_pool_queue of them), and a stream it was running pauses (Migrated, reason
+    max_pool_queue of them), and a stream it was running pauses (Migrated, reason
     waiting_for_worker) and goes on from the first worker that beats in the pool. Past it:
     no_worker / worker_lost. A warm restart under `strait up` takes ~13 s; 0: never wait."""
     max_watched: int = 10_000

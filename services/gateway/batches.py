@@ -237,7 +237,7 @@ def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
 def install_batch_routes(app: FastAPI, settings: Settings) -> None:
     """The Files and Batch routes; ``app.state.batches`` is the ``BatchStore`` (the lifespan
     sets it; None without a database: every route is a 400 naming the reason)."""
-    b = settings.batch
+    g, b = settings.gateway, settings.batch
 
     def store() -> BatchStore:
         s: BatchStore | None = app.state.batches
@@ -400,7 +400,7 @@ def install_batch_routes(app: FastAPI, settings: Settings) -> None:
                 503,
                 f"could not queue the batch's lines ({e!r}); it is retried",
                 "no_worker",
-                retry_after_s=settings.fleet.retry_after_s,
+                retry_after_s=g.shed_retry_after_s,
             ) from e
         got = await store().get_batch(row.id, key.key_id)
         assert got is not None

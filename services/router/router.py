@@ -150,7 +150,7 @@ class Router:
         )
         self._tracer = tracer("strait.router")
         # Requests waiting for a worker to come to their pool, by pool (bounded by
-        # fleet.max_pool_queue), and the decision slots of the service (services.router.main
+        # router.max_pool_queue), and the decision slots of the service (services.router.main
         # sets them; ``handle`` holds one): a request that waits gives its slot back meanwhile,
         # so other pools' requests keep being routed.
         self.waiting: dict[str, int] = {}
@@ -227,11 +227,11 @@ class Router:
                 pool, code = roomy[0], "spill_saturated"
         workers = live[pool]
         queue = sum([w.beat.waiting + len(w.pending_at) for w in workers])
-        if queue >= self.fleet.max_pool_queue:
+        if queue >= self.cfg.max_pool_queue:
             return Rejection(
                 "no_capacity",
-                f"pool {pool!r} has {queue} queued requests (fleet.max_pool_queue="
-                f"{self.fleet.max_pool_queue})",
+                f"pool {pool!r} has {queue} queued requests (router.max_pool_queue="
+                f"{self.cfg.max_pool_queue})",
                 retry_after_s=self.fleet.retry_after_s,
             )
         first = workers[0].beat
@@ -310,11 +310,11 @@ class Router:
             return decision
         assert isinstance(decision, Rejection)
         key = decision.pools[0]
-        if self.waiting.get(key, 0) >= self.fleet.max_pool_queue:
+        if self.waiting.get(key, 0) >= self.cfg.max_pool_queue:
             return Rejection(
                 "no_capacity",
                 f"{self.waiting[key]} requests already wait for a worker in pool {key!r} "
-                f"(fleet.max_pool_queue={self.fleet.max_pool_queue})",
+                f"(router.max_pool_queue={self.cfg.max_pool_queue})",
                 retry_after_s=self.fleet.retry_after_s,
             )
         t0 = last_keepalive = time.monotonic()

@@ -67,12 +67,12 @@ async def test_no_worker_is_retryable(fleet_settings: Settings) -> None:
 
 
 async def test_no_capacity_when_the_pool_queue_is_full(fleet_settings: Settings) -> None:
-    fleet_settings.fleet.max_pool_queue = 0
+    fleet_settings.router.max_pool_queue = 0
     async with running_fleet(fleet_settings) as fleet:
         async with StraitClient.from_settings(fleet.settings) as c:
             with pytest.raises(NoCapacity) as e:
                 await c.complete("busy?")
-    assert "fleet.max_pool_queue" in e.value.message and isinstance(e.value, Retryable)
+    assert "router.max_pool_queue" in e.value.message and isinstance(e.value, Retryable)
 
 
 async def test_worker_lost_when_the_worker_shuts_down_mid_stream(

@@ -97,11 +97,11 @@ def test_saturation_spill_is_a_policy() -> None:
 
 def test_a_deep_queue_is_refused_naming_the_setting() -> None:
     s = two_pools()
-    s.fleet.max_pool_queue = 5
+    s.router.max_pool_queue = 5
     reg = registry(beat("s1", pool="small", model=SMALL, waiting=5))
     rej = router(s, reg).decide(request("hi", model="small"))
     assert isinstance(rej, Rejection) and rej.code == "no_capacity"
-    assert "fleet.max_pool_queue" in rej.message
+    assert "router.max_pool_queue" in rej.message
 
 
 def test_the_prompt_goes_to_the_worker_holding_its_prefix() -> None:

@@ -34,7 +34,8 @@ def test_the_reference_is_fresh() -> None:
 
 def test_every_field_of_every_section_is_listed_with_its_variable() -> None:
     text = render()
-    assert "| `worker_ttl_s` | float, > 0 | `1.5` | `STRAIT_FLEET__WORKER_TTL_S` |" in text
+    assert "| `worker_ttl_s` | float | `1.5` | `STRAIT_FLEET__WORKER_TTL_S` |" in text
+    assert "| `max_integer_digits` | int, ≥ 1, ≤ 18 | `16` |" in text
     assert "`STRAIT_ROUTER__CLASSIFIER__CODE`" in text
     assert "`STRAIT_POOLS__0__NAME`" not in text  # list items have no variable of their own
     for name, field in Settings.model_fields.items():

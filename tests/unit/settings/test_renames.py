@@ -58,45 +58,47 @@ def test_old_names_in_a_file_apply_and_each_is_warned_about(
         monkeypatch,
         tmp_path,
         "[router]\nworker_ttl_s = 3.0\nreplace_lost = false\nretry_after_s = 7.5\n"
-        "[gateway]\nmax_pool_queue = 9\n",
+        "[gateway]\nmax_pool_queue = 9\nretry_after_s = 4\n",
     )
     with caplog.at_level(logging.WARNING, LOGGER):
         s = Settings()
-    assert s.fleet == FleetSettings(
-        worker_ttl_s=3.0, replace_lost=False, retry_after_s=7.5, max_pool_queue=9
-    )
+    assert s.fleet == FleetSettings(worker_ttl_s=3.0, replace_lost=False, retry_after_s=7.5)
+    assert (s.gateway.shed_queue_depth, s.gateway.shed_retry_after_s) == (9, 4.0)
     got = warnings(caplog)
-    assert len(got) == 4 and all(str(path) in m for m in got)
-    assert any("gateway.max_pool_queue" in m and "fleet.max_pool_queue" in m for m in got)
+    assert len(got) == 5 and all(str(path) in m for m in got)
+    assert any("gateway.max_pool_queue" in m and "gateway.shed_queue_depth" in m for m in got)
 
 
 def test_the_new_name_wins_within_one_source(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config(monkeypatch, tmp_path, "[fleet]\nmax_pool_queue = 5\n[router]\nmax_pool_queue = 512\n")
+    config(
+        monkeypatch,
+        tmp_path,
+        "[fleet]\nworker_ttl_s = 1.0\n[router]\nworker_ttl_s = 3.0\n"
+        "[gateway]\nshed_queue_depth = 5\nmax_pool_queue = 512\n",
+    )
     with caplog.at_level(logging.WARNING, LOGGER):
         s = Settings()
-    assert s.fleet.max_pool_queue == 5
-    [message] = warnings(caplog)
-    assert "ignored, fleet.max_pool_queue is set" in message
+    assert (s.fleet.worker_ttl_s, s.gateway.shed_queue_depth) == (1.0, 5)
+    got = warnings(caplog)
+    assert len(got) == 2 and all("ignored" in m for m in got)
+    assert any("ignored, gateway.shed_queue_depth is set" in m for m in got)
 
 
 def test_an_old_variable_still_beats_the_files_new_name(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    config(monkeypatch, tmp_path, "[fleet]\nretry_after_s = 1.0\n")
+    config(monkeypatch, tmp_path, "[gateway]\nshed_retry_after_s = 1.0\n")
     monkeypatch.setenv("STRAIT_GATEWAY__RETRY_AFTER_S", "3")
-    assert Settings().fleet.retry_after_s == 3.0
+    assert Settings().gateway.shed_retry_after_s == 3.0
 
 
-def test_two_old_names_of_one_field_the_first_in_the_table_applies(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("STRAIT_ROUTER__MAX_POOL_QUEUE", "512")
-    monkeypatch.setenv("STRAIT_GATEWAY__MAX_POOL_QUEUE", "100")
-    with caplog.at_level(logging.WARNING, LOGGER):
-        assert Settings().fleet.max_pool_queue == 100
-    assert sum("ignored" in m for m in warnings(caplog)) == 1
+def test_the_routers_queue_bound_keeps_its_name() -> None:
+    """``router.max_pool_queue`` (the hard bound) and ``gateway.shed_queue_depth`` (the
+    gateway's earlier shedding) are two settings, each with its own default."""
+    s = Settings(router={"max_pool_queue": 7})
+    assert (s.router.max_pool_queue, s.gateway.shed_queue_depth) == (7, 256)
 
 
 def test_constructor_arguments_are_renamed_without_changing_the_callers_dict() -> None:
@@ -109,5 +111,5 @@ def test_constructor_arguments_are_renamed_without_changing_the_callers_dict() -
 def test_every_old_name_left_its_section_and_every_new_name_exists() -> None:
     sections = {"router": RouterSettings, "gateway": GatewaySettings, "fleet": FleetSettings}
     for (old_sec, old_field), (new_sec, new_field) in renames.RENAMED.items():
-        assert old_field not in sections[old_sec].model_fields
+        assert old_field not in sections[old_sec].model_fields, f"{old_sec}.{old_field}"
         assert new_field in sections[new_sec].model_fields
