@@ -5,15 +5,15 @@
 
 (``make settings-doc`` runs the first; tests/unit/settings/test_reference.py fails while the
 file is stale.) Every section of ``Settings``, in its field order, with each field's type,
-default, environment variable and description. A description is the field's docstring
-(``Section`` sections); a section written with comments instead (the engine's) gives the
-comment block right above each field, or the comment after it on its line.
+default, environment variable and description (``descriptions``: the docstring under each
+field, or for a section written with comments, the engine's, its comments).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import json
 import sys
@@ -58,9 +58,10 @@ def render() -> str:
     """The whole of docs/settings.md."""
     out = [INTRO, *_renamed()]
     shown: dict[type[BaseModel], str] = {}
+    about = descriptions(Settings)
     for name, field in Settings.model_fields.items():
         if _model_of(field.annotation) is not None:
-            out += _section(field, [name], shown)
+            out += _section(field, [name], shown, about.get(name, ""))
     out += _top_level()
     return "\n".join(out).rstrip("\n") + "\n"
 
@@ -83,8 +84,11 @@ def _renamed() -> list[str]:
     return [*lines, ""]
 
 
-def _section(field: FieldInfo, path: list[str], shown: dict[type[BaseModel], str]) -> list[str]:
+def _section(
+    field: FieldInfo, path: list[str], shown: dict[type[BaseModel], str], about: str
+) -> list[str]:
     """The heading, description and table of the section at ``path``, then its nested tables.
+    ``about``: the description of the field holding it, used when its class has no docstring.
     A class already shown under another heading (a pool's ``speculative``) points there
     instead. ``shown``: class -> heading, filled as sections are rendered. A list of tables
     (``pools``) or a table per key (``planner.pools``) has no variable per field: it is set
@@ -95,7 +99,7 @@ def _section(field: FieldInfo, path: list[str], shown: dict[type[BaseModel], str
     level = "#" * min(len(path) + 1, 4)
     lines = [f"{level} `{heading}`", ""]
     own_doc = model.__doc__ if model.__doc__ is not BaseModel.__doc__ else None
-    doc = inspect.cleandoc(own_doc) if own_doc else field.description
+    doc = inspect.cleandoc(own_doc) if own_doc else about
     if doc:
         lines += [_one_line(doc), ""]
     if model in shown:
@@ -107,9 +111,10 @@ def _section(field: FieldInfo, path: list[str], shown: dict[type[BaseModel], str
     if len(path) == 1 and _container(field.annotation) is not None:
         lines += [f"Set in the environment as one JSON value: `{ENV_PREFIX}{path[0].upper()}`.", ""]
     lines += _table(model, path, per_field_env=not _inside_container(path))
+    fields = descriptions(model)
     for name, sub in model.model_fields.items():
         if _model_of(sub.annotation) is not None:
-            lines += _section(sub, [*path, name], shown)
+            lines += _section(sub, [*path, name], shown, fields.get(name, ""))
     return lines
 
 
@@ -128,7 +133,7 @@ def _inside_container(path: list[str]) -> bool:
 
 
 def _table(model: type[BaseModel], path: list[str], per_field_env: bool) -> list[str]:
-    comments = _comment_descriptions(model)
+    about = descriptions(model)
     rows = [
         "| field | type | default | variable | description |",
         "| --- | --- | --- | --- | --- |",
@@ -142,12 +147,12 @@ def _table(model: type[BaseModel], path: list[str], per_field_env: bool) -> list
             )
             default = "see below"
             description = f"{kind}: [`{heading}`](#{_anchor(heading)})"
-            if field.description:
-                description = f"{_one_line(field.description)} ({description})"
+            if about.get(name):
+                description = f"{_one_line(about[name])} ({description})"
         else:
             kind = _type_name(field.annotation) + _constraints(field)
             default = _default(field)
-            description = _one_line(field.description or comments.get(name, "")) or "—"
+            description = _one_line(about.get(name, "")) or "—"
         env = f"`{ENV_PREFIX}{'__'.join([*path, name]).upper()}`" if per_field_env else "—"
         if nested is not None and per_field_env:
             env += " (JSON)"
@@ -162,13 +167,14 @@ def _top_level() -> list[str]:
         "| field | type | default | variable | description |",
         "| --- | --- | --- | --- | --- |",
     ]
+    about = descriptions(Settings)
     for name, field in Settings.model_fields.items():
         if _model_of(field.annotation) is not None:
             continue
         env = f"`{ENV_PREFIX}{name.upper()}`"
         rows.append(
             f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {env} "
-            f"| {_cell(_one_line(field.description or ''))} |"
+            f"| {_cell(_one_line(about.get(name, '')))} |"
         )
     return [*rows, ""]
 
@@ -249,9 +255,13 @@ def _default(field: FieldInfo) -> str:
 # ------------------------------------------------------------------ descriptions
 
 
-def _comment_descriptions(model: type[BaseModel]) -> dict[str, str]:
-    """field -> the comment block right above it (or after it on its line) in ``model``'s
-    source: the descriptions of a section written with comments instead of docstrings."""
+@functools.cache
+def descriptions(model: type[BaseModel]) -> dict[str, str]:
+    """field -> its description, read from ``model``'s source: the docstring under the field,
+    else the comment block right above it, else the comment after it on its line (the
+    engine's section is written with comments). Read here, when the reference is rendered,
+    rather than by pydantic at every process's start (``use_attribute_docstrings`` parses
+    each class's source at import: ~0.1 s a process)."""
     try:
         source = textwrap.dedent(inspect.getsource(model))
     except (OSError, TypeError):
@@ -260,14 +270,22 @@ def _comment_descriptions(model: type[BaseModel]) -> dict[str, str]:
     assert isinstance(body, ast.ClassDef)
     lines = source.splitlines()
     found: dict[str, str] = {}
-    for node in body.body:
+    for i, node in enumerate(body.body):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
+        after = body.body[i + 1] if i + 1 < len(body.body) else None
+        if (
+            isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            found[node.target.id] = inspect.cleandoc(after.value.value)
+            continue
         block: list[str] = []
-        i = node.lineno - 2
-        while i >= 0 and lines[i].strip().startswith("#"):
-            block.insert(0, lines[i].strip().lstrip("#").strip())
-            i -= 1
+        j = node.lineno - 2
+        while j >= 0 and lines[j].strip().startswith("#"):
+            block.insert(0, lines[j].strip().lstrip("#").strip())
+            j -= 1
         own = lines[node.lineno - 1]
         if "  # " in own and node.lineno == node.end_lineno:
             block.append(own.split("  # ", 1)[1].strip())

@@ -47,7 +47,6 @@ class Settings(BaseSettings):
         extra="ignore",
         # Settings(state_dir=...) in code and tests, STRAIT_STATE_DIR in the environment.
         populate_by_name=True,
-        use_attribute_docstrings=True,
     )
 
     fleet: FleetSettings = Field(default_factory=FleetSettings)

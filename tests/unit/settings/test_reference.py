@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from libs.settings import Settings
-from libs.settings.reference import DOC, _comment_descriptions, _model_of, main, render
+from libs.settings.reference import DOC, _model_of, descriptions, main, render
 from libs.settings.section import Section
 
 pytestmark = pytest.mark.unit
@@ -54,24 +54,32 @@ def test_every_section_field_has_a_description() -> None:
     missing = [
         f"{model.__name__}.{name}"
         for model in sections()
-        if issubclass(model, Section)
-        for name, field in model.model_fields.items()
-        if not field.description
+        if issubclass(model, Section) or model is Settings
+        for name in model.model_fields
+        if not descriptions(model).get(name)
     ]
     assert not missing
 
 
-def test_a_commented_section_gives_its_comments_as_descriptions() -> None:
-    class Commented(BaseModel):
+def test_descriptions_come_from_docstrings_else_comments() -> None:
+    class Mixed(BaseModel):
         # Above the field,
         # on two lines.
         a: int = 1
         b: str = ""  # after it
         c: bool = False
+        d: float = Field(default=0.5, ge=0)
+        """Under the field,
+        indented."""
+        # A comment above a documented field is not its description.
+        e: int = 0
+        """Its docstring."""
 
-    assert _comment_descriptions(Commented) == {
+    assert descriptions(Mixed) == {
         "a": "Above the field, on two lines.",
         "b": "after it",
+        "d": "Under the field,\nindented.",
+        "e": "Its docstring.",
     }
 
 
