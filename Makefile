@@ -64,7 +64,10 @@ bench-engine: models kernels ## offline engine throughput vs transformers genera
 schemas: $(STAMP) ## regenerate docs/schemas from the wire protocol
 	$(BIN)/strait schemas
 
+settings-doc: $(STAMP) ## regenerate docs/settings.md (every setting) from libs/settings/
+	$(BIN)/python -m libs.settings.reference
+
 clean: ## remove caches (keeps .venv and .strait)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 
-.PHONY: help install models e2e-models kernels run lint format typecheck test unit integration e2e bench-engine schemas clean
+.PHONY: help install models e2e-models kernels run lint format typecheck test unit integration e2e bench-engine schemas settings-doc clean

@@ -495,7 +495,7 @@ auth_enabled = false
 open_metrics = true
 response_cache_enabled = false
 max_inflight = {UNBOUNDED}
-max_pool_queue = {UNBOUNDED}
+shed_queue_depth = {UNBOUNDED}
 default_rpm = {10**12}
 default_tpm = {10**15}
 """

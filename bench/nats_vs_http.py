@@ -38,7 +38,7 @@ def fleet_settings(tmp: Path, url: str, per_token_s: float) -> Settings:
     s.gateway.ledger_enabled = False
     s.gateway.response_cache_enabled = False
     s.gateway.max_inflight = 4096
-    s.gateway.max_pool_queue = 100_000
+    s.gateway.shed_queue_depth = 100_000
     s.gateway.default_rpm = 10**9
     s.gateway.default_tpm = 10**12
     s.pools[0].model = "fake-model"

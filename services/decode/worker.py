@@ -100,11 +100,11 @@ class Worker:
 
     def owns_streams(self) -> bool:
         """False once the router must have presumed this worker lost (no beat sent within
-        ``router.worker_ttl_s``: a SIGSTOP, a stalled event loop): its requests run elsewhere
+        ``fleet.worker_ttl_s``: a SIGSTOP, a stalled event loop): its requests run elsewhere
         now, and their streams are not this worker's to write. Asked before every publish."""
         if not self.last_beat_at:
             return True
-        return time.monotonic() - self.last_beat_at <= self.settings.router.worker_ttl_s
+        return time.monotonic() - self.last_beat_at <= self.settings.fleet.worker_ttl_s
 
     # ------------------------------------------------------------ NATS handlers
 
@@ -585,7 +585,7 @@ class Worker:
             if not self.owns_streams() and self.tasks:
                 # Stalled past the router's TTL: it has moved these requests elsewhere.
                 log.warning(
-                    "beats stalled past router.worker_ttl_s; dropping requests moved elsewhere",
+                    "beats stalled past fleet.worker_ttl_s; dropping requests moved elsewhere",
                     extra=fields(
                         worker_id=self.worker_id,
                         stalled_s=round(time.monotonic() - self.last_beat_at, 3),
@@ -613,7 +613,7 @@ class Worker:
         """Requests still running at the drain deadline move to another worker (the router
         places them again, or migrates them, once this worker's beats stop) rather than end
         with ``worker_lost``."""
-        return self.settings.router.replace_lost
+        return self.settings.fleet.replace_lost
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking work (beats say draining), let running requests finish for up to

@@ -216,17 +216,17 @@ def create_app(
                 503,
                 "gateway is at its in-flight limit (gateway.max_inflight)",
                 "no_capacity",
-                retry_after_s=g.retry_after_s,
+                retry_after_s=g.shed_retry_after_s,
             )
         depth = fleet.queue_depth(model)
-        if depth is not None and depth >= g.max_pool_queue:
+        if depth is not None and depth >= g.shed_queue_depth:
             metrics.REJECTED.labels(code="queue_full").inc()
             raise ApiError(
                 429,
                 f"{depth} requests are queued for model {model!r} "
-                "(gateway.max_pool_queue); retry later",
+                "(gateway.shed_queue_depth); retry later",
                 "queue_full",
-                retry_after_s=g.retry_after_s,
+                retry_after_s=g.shed_retry_after_s,
             )
 
     async def serve_hit(

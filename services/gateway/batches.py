@@ -400,7 +400,7 @@ def install_batch_routes(app: FastAPI, settings: Settings) -> None:
                 503,
                 f"could not queue the batch's lines ({e!r}); it is retried",
                 "no_worker",
-                retry_after_s=g.retry_after_s,
+                retry_after_s=g.shed_retry_after_s,
             ) from e
         got = await store().get_batch(row.id, key.key_id)
         assert got is not None

@@ -60,7 +60,7 @@ class Fleet:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.nats.subject_prefix)
-        self.registry = WorkerRegistry(settings.router.worker_ttl_s)
+        self.registry = WorkerRegistry(settings.fleet.worker_ttl_s)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         # This process's name in its requests' reply subjects (one per process: replicas of

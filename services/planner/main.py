@@ -119,7 +119,7 @@ async def serve(ctx: ServiceContext) -> None:
                         await asyncio.to_thread(actuate, d)
                     except Exception as e:  # an API error: the next tick tries again
                         log.warning("actuator failed", extra=fields(pool=d.pool, error=repr(e)))
-            planner.forget_stale(now, s.router.worker_ttl_s * FORGET_TTLS)
+            planner.forget_stale(now, s.fleet.worker_ttl_s * FORGET_TTLS)
             try:
                 await asyncio.wait_for(ctx.stopping.wait(), s.planner.interval_s)
             except TimeoutError:

@@ -41,7 +41,7 @@ class PoolView:
     demand_while_zero: bool = False
 
 
-# Beat TTLs (router.worker_ttl_s) after its start before the planner decides anything.
+# Beat TTLs (fleet.worker_ttl_s) after its start before the planner decides anything.
 WARMUP_TTLS = 2
 
 
@@ -102,7 +102,7 @@ class Planner:
     def held(self, pool: str, now: float) -> int:
         """Requests the live routers hold for ``pool`` (not placed yet: every worker was full),
         and those waiting for one of its workers to come back."""
-        ttl = self.settings.router.worker_ttl_s
+        ttl = self.settings.fleet.worker_ttl_s
         return sum(
             b.held.get(pool, 0) + b.waiting.get(pool, 0)
             for b, seen in self.routers.values()
@@ -139,7 +139,7 @@ class Planner:
         """One decision per pool role; none until the workers' beats have had time to arrive
         (a planner that starts must not take the workers it has not heard yet for none)."""
         self._roll(now)
-        if now - self.started < self.settings.router.worker_ttl_s * WARMUP_TTLS:
+        if now - self.started < self.settings.fleet.worker_ttl_s * WARMUP_TTLS:
             return []
         out = []
         for pool in self.settings.pools:
@@ -232,7 +232,7 @@ class Planner:
                 view.bucket_start += self.cfg.bucket_s
 
     def _live(self, pool: str, role: str | None, now: float) -> list[WorkerView]:
-        ttl = self.settings.router.worker_ttl_s
+        ttl = self.settings.fleet.worker_ttl_s
         return [
             w
             for w in self.workers.values()

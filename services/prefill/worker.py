@@ -160,7 +160,7 @@ class PrefillWorker(Worker):
                 raise BackendError(
                     "no_worker",
                     "no live decode worker in the pool",
-                    retry_after_s=self.settings.router.retry_after_s,
+                    retry_after_s=self.settings.fleet.retry_after_s,
                 )
             decode_worker = await self._hand_off(a, out, prompt, res, usage, prefill_s, span)
         except (Exception, asyncio.CancelledError) as e:
@@ -259,7 +259,7 @@ class PrefillWorker(Worker):
         raise BackendError(
             "no_capacity",
             "no decode worker took the request (" + "; ".join(reasons) + ")",
-            retry_after_s=self.settings.router.retry_after_s,
+            retry_after_s=self.settings.fleet.retry_after_s,
         )
 
     async def _try(

@@ -79,7 +79,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         ROUTER_DURABLE, [subjects.requests, subjects.team_requests_all], ack_wait
     )
     await ensure_consumer(js, s.nats.requests_stream, consumer)
-    registry = WorkerRegistry(s.router.worker_ttl_s, s.router.worker_return_wait_s)
+    registry = WorkerRegistry(s.fleet.worker_ttl_s, s.router.worker_return_wait_s)
     router = Router(nc, js, s, registry)
     if on_router is not None:
         on_router(router)

@@ -133,7 +133,7 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         self.nc, self.js, self.settings = nc, js, settings
-        self.cfg = settings.router
+        self.cfg, self.fleet = settings.router, settings.fleet
         self.registry = registry
         self.classifier = classifier or build_classifier(settings)
         self.hashers = hashers or PrefixHashers(settings)
@@ -220,7 +220,7 @@ class Router:
                     "no_worker",
                     f"no live worker in pool {pool!r}"
                     + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                     pools=list(choice.allowed),
                 )
             factors.append(f"no_live_worker:{pool}")
@@ -238,7 +238,7 @@ class Router:
                 "no_capacity",
                 f"pool {pool!r} has {queue} queued requests (router.max_pool_queue="
                 f"{self.cfg.max_pool_queue})",
-                retry_after_s=self.cfg.retry_after_s,
+                retry_after_s=self.fleet.retry_after_s,
             )
         first = workers[0].beat
         hashes, n_tokens = self.prefix(
@@ -258,7 +258,7 @@ class Router:
                 return Rejection(
                     "no_worker",
                     f"no live decode worker in pool {pool!r}",
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                     pools=[pool],
                 )
             by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
@@ -321,7 +321,7 @@ class Router:
                 "no_capacity",
                 f"{self.waiting[key]} requests already wait for a worker in pool {key!r} "
                 f"(router.max_pool_queue={self.cfg.max_pool_queue})",
-                retry_after_s=self.cfg.retry_after_s,
+                retry_after_s=self.fleet.retry_after_s,
             )
         t0 = last_keepalive = time.monotonic()
         self.waiting[key] = self.waiting.get(key, 0) + 1
@@ -554,7 +554,7 @@ class Router:
         # interleave at every await, and must see each other's choices or they all herd onto
         # the worker that looked idlest in the last beat.
         reserved = self.registry.on_assigned(decision.ranked[0].worker.worker_id)
-        watched = self.cfg.replace_lost and await self.watch.watch(req)
+        watched = self.fleet.replace_lost and await self.watch.watch(req)
         for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
             route = decision.route(p)
             if i > 0:
@@ -572,7 +572,7 @@ class Router:
             Rejection(
                 "no_capacity",
                 f"no worker in pool {decision.pool!r} accepted the request",
-                retry_after_s=self.cfg.retry_after_s,
+                retry_after_s=self.fleet.retry_after_s,
             ),
         )
         return None
@@ -621,7 +621,7 @@ class Router:
                 Rejection(
                     "worker_lost",
                     f"worker {worker_id!r} {what} {when}; {refusal}",
-                    retry_after_s=self.cfg.retry_after_s,
+                    retry_after_s=self.fleet.retry_after_s,
                 ),
             )
             return

@@ -33,7 +33,7 @@ def chat(max_tokens: int, stream: bool = False) -> dict[str, object]:
 
 async def test_deep_pool_queue_is_429_and_full_gateway_is_503(gw_settings: Settings) -> None:
     gw_settings.gateway.auth_enabled = False
-    gw_settings.gateway.max_pool_queue = 2
+    gw_settings.gateway.shed_queue_depth = 2
     gw_settings.gateway.max_inflight = 4
     gw_settings.fake_engine.per_token_s = 0.05
     async with GatewayFleet(gw_settings) as fleet:
@@ -55,11 +55,11 @@ async def test_deep_pool_queue_is_429_and_full_gateway_is_503(gw_settings: Setti
             await asyncio.sleep(gw_settings.worker.beat_interval_s * 2)
             r = await c.post("/v1/chat/completions", json=chat(2))
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-            assert "gateway.max_pool_queue" in r.json()["error"]["message"]
+            assert "gateway.shed_queue_depth" in r.json()["error"]["message"]
             assert r.headers["retry-after"] == "1"
             # With the queue bound lifted, the in-flight bound (3 held + 1 more = 4) answers 503.
             gateway = fleet._servers[0].config.app.state.settings.gateway  # type: ignore[union-attr]
-            gateway.max_pool_queue = 100
+            gateway.shed_queue_depth = 100
             holds.append(asyncio.create_task(c.post("/v1/chat/completions", json=chat(40))))
             await asyncio.sleep(0.2)
             r = await c.post("/v1/chat/completions", json=chat(2))

@@ -29,7 +29,7 @@ def router_settings(settings: Settings) -> Settings:
     settings.pools[0].model = "fake-model"
     settings.pools[0].backend = "fake"
     settings.worker.beat_interval_s = 0.05
-    settings.router.worker_ttl_s = 0.4
+    settings.fleet.worker_ttl_s = 0.4
     settings.router.sweep_interval_s = 0.05
     settings.router.assign_timeout_s = 1.0
     settings.fake_engine.per_token_s = 0.002

@@ -147,7 +147,7 @@ async def test_no_worker_left_is_a_typed_error_within_a_ttl(
     assert isinstance(end, ErrorMessage) and end.code == "worker_lost", end
     assert "no live worker" in end.message
     assert [m.seq for m in got] == list(range(1, len(got) + 1))
-    ttl = router_settings.router.worker_ttl_s
+    ttl = router_settings.fleet.worker_ttl_s
     assert at[-1] - killed_at < ttl + 1.0  # not the client's idle timeout
 
 
@@ -199,7 +199,7 @@ async def test_a_lost_worker_that_does_not_come_back_ends_the_stream_after_the_w
     assert isinstance(end, ErrorMessage) and end.code == "worker_lost", end
     assert "router.worker_return_wait_s" in end.message
     assert [m.reason for m in got if isinstance(m, Migrated)] == ["waiting_for_worker"]
-    ttl = router_settings.router.worker_ttl_s
+    ttl = router_settings.fleet.worker_ttl_s
     assert 1.0 + ttl < at[-1] - killed_at < ttl + 1.0 + 1.0
 
 

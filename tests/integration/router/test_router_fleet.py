@@ -54,7 +54,7 @@ async def test_beats_build_the_registry_and_a_silent_worker_is_dropped(
         await poll(lambda: live(router) == {"w1", "w2", "w3"}, what="three live workers")
         await fleet.workers[1].kill()
         took = await poll(lambda: "w2" not in router.registry.workers, what="w2 expired")
-        assert took < router_settings.router.worker_ttl_s + 0.5
+        assert took < router_settings.fleet.worker_ttl_s + 0.5
         assert live(router) == {"w1", "w3"}
 
 
@@ -188,7 +188,7 @@ async def test_no_live_worker_is_a_clear_503_with_retry_after(
         out = await client.run(req("x1", "hello", model="large"))
         err = out[-1]
         assert isinstance(err, ErrorMessage) and err.code == "no_worker"
-        assert err.retry_after_s == two_pool_settings.router.retry_after_s
+        assert err.retry_after_s == two_pool_settings.fleet.retry_after_s
         # `auto` work for the missing pool spills to the live one, and says so.
         out = await client.run(req("x2", "Prove step by step that 2 * 3 is even", max_tokens=600))
         assert isinstance(out[-1], Finished) and out[-1].pool == "small"

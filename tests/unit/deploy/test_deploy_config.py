@@ -134,7 +134,7 @@ def listen_port(role: str, s: Settings) -> int | None:
 # Seconds each long-running role drains for on SIGTERM (its pods' grace period must exceed it).
 # A worker drains for worker.drain_timeout_s; then its unfinished requests migrate once the
 # router's TTL passes without its beats.
-_WORKER_DRAIN_S = Settings().worker.drain_timeout_s + Settings().router.worker_ttl_s
+_WORKER_DRAIN_S = Settings().worker.drain_timeout_s + Settings().fleet.worker_ttl_s
 DRAIN_S = {
     "decode": _WORKER_DRAIN_S,
     "prefill": _WORKER_DRAIN_S,  # the prefill main drains through run_worker
