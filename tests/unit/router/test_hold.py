@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -30,6 +31,13 @@ def settings(limit: int = 0, hold_max_s: float = 30.0, max_pool_queue: int = 512
 
 def router(s: Settings, *beats: object) -> Router:
     return Router(None, None, s, registry(*beats), rng=random.Random(0))  # type: ignore[arg-type]
+
+
+async def until(pred: object, timeout: float = 5.0) -> None:
+    t0 = time.monotonic()
+    while not pred():  # type: ignore[operator]
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.005)
 
 
 def test_room_is_capacity_plus_the_queue_allowance_less_what_each_worker_holds() -> None:
@@ -64,7 +72,8 @@ async def test_a_full_pool_holds_requests_and_lets_them_go_in_arrival_order() ->
     assert isinstance(d, Decision)
     # Two slots free up (the beat after two requests finished): the two oldest go, in order.
     r.registry.on_beat(beat("w1", running=0, capacity=2))
-    await asyncio.sleep(0.1)
+    await until(lambda: len(order) == 2)
+    await asyncio.sleep(0.05)  # several sweeps: the third stays held
     assert order == ["a", "b"] and len(r.held["default"]) == 1
     # A worker that starts takes the one still held.
     r.registry.on_beat(beat("w2", capacity=2))
