@@ -74,7 +74,9 @@ async def test_a_message_is_decoded_handled_answered_and_counted() -> None:
     assert [(c.request_id, subject) for c, subject in seen] == [("r7", "t.cancel.r1")]
     [(subject, data)] = msg.nc.published
     assert subject == "inbox.1"
-    assert msgspec.json.decode(data, type=AssignmentAck) == AssignmentAck(accepted=True, reason="r7")
+    assert msgspec.json.decode(data, type=AssignmentAck) == AssignmentAck(
+        accepted=True, reason="r7"
+    )
     assert count("t.ok", "ok") == before + 1
     assert [o for o, _ in observed] == ["ok"] and observed[0][1] >= 0
 
@@ -175,7 +177,9 @@ async def test_stock_rejections() -> None:
     await dead_letters(nc, subjects, "svc")(FakeMsg(b"y"), err)  # type: ignore[arg-type]
     (s1, d1), (s2, d2), (s3, d3) = nc.published
     assert s1 == "inbox.2"
-    assert msgspec.json.decode(d1, type=AssignmentAck) == AssignmentAck(accepted=False, reason="bad field")
+    assert msgspec.json.decode(d1, type=AssignmentAck) == AssignmentAck(
+        accepted=False, reason="bad field"
+    )
     assert s2 == s3 == subjects.deadletter
     letters = [msgspec.json.decode(d, type=DeadLetter) for d in (d2, d3)]
     assert [(x.error, x.service) for x in letters] == [
