@@ -3,7 +3,7 @@
 # One image for every Strait role: the command picks the role.
 #
 #   docker build -t strait:cpu .
-#   docker run --rm strait:cpu gateway | router | decode | keys create me | models list | ...
+#   docker run --rm strait:cpu gateway | router | worker | keys create me | models list | ...
 #
 # CPU by default. GPU variant (CUDA wheels of the same torch pin; the base only has to bring a
 # Python >= 3.11, the wheels carry the CUDA runtime, the host brings the driver):

@@ -10,7 +10,7 @@ A model calls tools by writing, after any text of its own, one or more
 - the worker's ``prepare`` (``libs.engine.async_engine``) renders tools into the prompt and asks
   :func:`forced_calls_lark` for the grammar when ``tool_choice`` is ``required`` or names a
   function (the grammar engine then makes the calls valid whatever the model);
-- the worker's ``serve`` (``services.decode.worker``) keeps each choice's text and, when the
+- the worker's ``serve`` (``services.worker.aggregated``) keeps each choice's text and, when the
   choice ends, :func:`parse_tool_calls` turns it into ``ToolCall``s on the last ``TokenDelta``;
 - the gateway holds back streamed text that may start a call (:class:`CallMarkupFilter`) and
   answers in OpenAI's shape (``message.tool_calls``, ``finish_reason: "tool_calls"``).

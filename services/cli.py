@@ -1,8 +1,10 @@
 """``strait``: the one entry point.
 
 strait up                    the whole fleet on this machine (foreground)
-strait gateway|router|prefill|decode|cache
-                             one service (for compose and Kubernetes)
+strait gateway|router|worker|cache
+                             one service (for compose and Kubernetes); a worker's role is
+                             worker.role or --role (aggregated, prefill, decode)
+strait prefill|decode        strait worker --role prefill / strait worker
 strait planner               size every pool ahead of its load (docs/planner.md)
 strait up --secure           the same behind a secured nats-server (accounts per team, TLS)
 strait keys create|list|revoke
@@ -25,7 +27,8 @@ import msgspec
 
 from libs.settings import Settings, get_settings
 
-SERVICES = ("gateway", "router", "prefill", "decode", "cache", "planner")
+SERVICES = ("gateway", "router", "worker", "prefill", "decode", "cache", "planner")
+WORKER_ROLES = ("aggregated", "prefill", "decode")
 # Seconds `strait teams` waits to tell the running fleet of a change.
 ANNOUNCE_TIMEOUT_S = 5.0
 
@@ -41,7 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         "and TLS from a development CA under <state_dir>/secure (docs/security.md)",
     )
     for name in SERVICES:
-        sub.add_parser(name, help=f"run the {name} service")
+        service = sub.add_parser(name, help=f"run the {name} service")
+        if name == "worker":
+            service.add_argument(
+                "--role", choices=WORKER_ROLES, default=None, help="instead of worker.role"
+            )
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
         dest="action", required=True
@@ -263,14 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         from services.router.main import main as router_main
 
         return router_main(settings)
-    if args.cmd == "decode":
-        from services.decode.main import main as decode_main
+    if args.cmd in ("worker", "decode", "prefill"):
+        from services.worker.main import main as worker_main
 
-        return decode_main(settings)
-    if args.cmd == "prefill":
-        from services.prefill.main import main as prefill_main
-
-        return prefill_main(settings)
+        role = "prefill" if args.cmd == "prefill" else getattr(args, "role", None)
+        return worker_main(settings, role)
     if args.cmd == "cache":
         from services.cache.main import main as cache_main
 

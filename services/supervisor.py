@@ -285,9 +285,9 @@ class Fleet:
             STRAIT_WORKER__METRICS_PORT=str(port),
             STRAIT_WORKER__STANDBY="true" if standby else "false",
         )
-        command = "prefill" if role == "prefill" else "decode"
         name = f"{role} {wid}" + (" (standby)" if standby else "")
-        return Child(name, [*self.cli(), command], env, pool=pool, role=role, standby=standby)
+        argv = [*self.cli(), "worker", "--role", role]
+        return Child(name, argv, env, pool=pool, role=role, standby=standby)
 
     def workers(self, pool: str, role: str) -> list[Child]:
         """The pool role's serving workers that are not draining away."""

@@ -42,15 +42,7 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
-from libs.nats_util import (
-    DEDUPE_HEADER,
-    StreamGap,
-    StreamMux,
-    StreamReader,
-    auth_options,
-    publish_acked,
-    server_urls,
-)
+from libs.nats_util import DEDUPE_HEADER, auth_options, publish_acked, server_urls
 from libs.protocol import (
     CancelRequest,
     ChatMessage,
@@ -77,6 +69,7 @@ from libs.protocol import (
     encode,
     validate_request,
 )
+from libs.stream_reader import StreamGap, StreamMux, StreamReader
 from libs.telemetry import inject_headers
 
 log = logging.getLogger("strait.client")

@@ -6,8 +6,10 @@
     store changes ─► CacheEvent queue ─► one publisher task ─► JetStream <p>.cache.events
 
 Each subscription's handler runs one message at a time (nats-py), so a store's chunks arrive in
-order and the store is only touched from this event loop. Bad input never raises out of a
-handler: a request with a reply subject gets an ``ErrorMessage``, anything else is dead-lettered.
+order and the store is only touched from this event loop. Lookup and fetch are
+``services.endpoint.Endpoint``s (span, decoding, metrics); a store's head and chunks share one
+subject and are told apart by header, by hand. Bad input never raises out of a handler: a
+request with a reply subject gets an ``ErrorMessage``, anything else is dead-lettered.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -47,10 +50,10 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import Settings
-from libs.telemetry import extract_context, tracer
 from services.cache import metrics
 from services.cache.store import BlockStore, Changes
 from services.deadletter import dead_letter
+from services.endpoint import Endpoint
 
 log = logging.getLogger("strait.cache")
 
@@ -81,7 +84,6 @@ class CacheService:
         self._pending_store_bytes = 0  # sum of total_bytes of self._assemblies
         self._subs: list[Subscription] = []
         self._publisher: asyncio.Task[None] | None = None
-        self._tracer = tracer("strait.cache")
 
     @property
     def nc(self) -> NATS:
@@ -96,12 +98,29 @@ class CacheService:
         # The store starts empty (the disk tier too): readers replaying the stream drop
         # everything announced before this event.
         await self._events.put(CacheEvent(cache_id=self.cache_id, cleared=True))
-        for subject, cb in (
-            (self.subjects.cache_lookup, self.on_lookup),
-            (self.subjects.cache_fetch, self.on_fetch),
-            (self.subjects.cache_store, self.on_store),
-        ):
-            self._subs.append(await self._nc.subscribe(subject, cb=cb))
+        lookup = Endpoint(
+            "cache.lookup",
+            CacheLookup,
+            self.on_lookup,
+            self._reject,
+            span="cache.lookup",
+            observe=self._observer("lookup"),
+        )
+        fetch = Endpoint(
+            "cache.fetch",
+            CacheFetch,
+            self.on_fetch,
+            self._reject,
+            span="cache.fetch",
+            observe=self._observer("fetch"),
+            needs_reply=True,
+        )
+        self._subs += [
+            await lookup.subscribe(self._nc, self.subjects.cache_lookup),
+            await fetch.subscribe(self._nc, self.subjects.cache_fetch),
+            # A store's head and its raw chunks share one subject: hand-written (on_store).
+            await self._nc.subscribe(self.subjects.cache_store, cb=self.on_store),
+        ]
         await self._nc.flush()
 
     async def close(self, drain_timeout_s: float) -> None:
@@ -126,23 +145,8 @@ class CacheService:
 
     # ------------------------------------------------------------ lookup
 
-    async def on_lookup(self, msg: Msg) -> None:
-        t0 = time.perf_counter()
-        with self._tracer.start_as_current_span(
-            "cache.lookup", context=extract_context(msg.headers)
-        ):
-            try:
-                req = decode(msg.data, CacheLookup)
-            except ProtocolError as e:
-                await self._reject(msg, "lookup", e)
-                return
-            outcome = self.store.lookup(req.model_id, req.block_hashes, req.salt)
-            reply = CacheLookupReply(
-                num_hit_blocks=outcome.num_hit_blocks, miss_reason=outcome.miss_reason
-            )
-            if msg.reply:
-                await msg.respond(encode(reply))
-        self._done("lookup", "ok", t0)
+    async def on_lookup(self, req: CacheLookup, msg: Msg) -> CacheLookupReply:
+        outcome = self.store.lookup(req.model_id, req.block_hashes, req.salt)
         log.info(
             "cache lookup",
             extra=fields(
@@ -152,29 +156,17 @@ class CacheService:
                 miss_reason=outcome.miss_reason,
             ),
         )
+        return CacheLookupReply(
+            num_hit_blocks=outcome.num_hit_blocks, miss_reason=outcome.miss_reason
+        )
 
     # ------------------------------------------------------------ fetch
 
-    async def on_fetch(self, msg: Msg) -> None:
-        t0 = time.perf_counter()
-        if not msg.reply:
-            await dead_letter(
-                self._nc, self.subjects, msg, "fetch without a reply subject", SERVICE
-            )
-            metrics.REQUESTS.labels("fetch", "dead_letter").inc()
-            return
-        with self._tracer.start_as_current_span(
-            "cache.fetch", context=extract_context(msg.headers)
-        ):
-            try:
-                req = decode(msg.data, CacheFetch)
-            except ProtocolError as e:
-                await self._reject(msg, "fetch", e)
-                return
-            kv, outcome, changes = self.store.get(req.model_id, req.block_hashes, req.salt)
-            await self._emit(changes)
-            sent = await self._send_fetch(msg.reply, kv, outcome.miss_reason)
-        self._done("fetch", "ok", t0)
+    async def on_fetch(self, req: CacheFetch, msg: Msg) -> None:
+        assert msg.reply  # the endpoint rejects a fetch without one
+        kv, outcome, changes = self.store.get(req.model_id, req.block_hashes, req.salt)
+        await self._emit(changes)
+        sent = await self._send_fetch(msg.reply, kv, outcome.miss_reason)
         log.info(
             "cache fetch",
             extra=fields(
@@ -222,7 +214,8 @@ class CacheService:
         try:
             head = decode(msg.data, CacheStore)
         except ProtocolError as e:
-            await self._reject(msg, "store", e)
+            metrics.REQUESTS.labels("store", "invalid").inc()
+            await self._reject(msg, e)
             return
         if head.transfer_id in self._assemblies:
             return  # a duplicate head: the first one's chunks are already coming
@@ -318,16 +311,27 @@ class CacheService:
 
     # ------------------------------------------------------------ shared
 
-    async def _reject(self, msg: Msg, op: str, e: ProtocolError) -> None:
+    async def _reject(self, msg: Msg, e: ProtocolError) -> None:
         """A request that failed validation: a typed error to its reply subject, else a dead
         letter. The service carries on."""
-        metrics.REQUESTS.labels(op, "invalid").inc()
         if msg.reply:
+            op = msg.subject.rsplit(".", 1)[-1]
             log.info("cache bad request", extra=fields(op=op, code=e.code, error=str(e)[:200]))
             err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
             await self._nc.publish(msg.reply, encode(err))
         else:
             await dead_letter(self._nc, self.subjects, msg, str(e), SERVICE)
+
+    @staticmethod
+    def _observer(op: str) -> Callable[[str, float], None]:
+        """The cache's own metrics of an endpoint's outcome (``no_reply``: a dead letter)."""
+
+        def observe(outcome: str, seconds: float) -> None:
+            metrics.REQUESTS.labels(op, "dead_letter" if outcome == "no_reply" else outcome).inc()
+            if outcome == "ok":
+                metrics.REQUEST_SECONDS.labels(op).observe(seconds)
+
+        return observe
 
     def _done(self, op: str, result: str, t0: float) -> None:
         metrics.REQUESTS.labels(op, result).inc()

@@ -28,7 +28,6 @@ from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
 from libs.log import fields
-from libs.nats_util import StreamGap, StreamReader
 from libs.protocol import (
     ErrorMessage,
     Finished,
@@ -41,6 +40,7 @@ from libs.protocol import (
     ToolCall,
     UsageEvent,
 )
+from libs.stream_reader import StreamGap, StreamReader
 from libs.telemetry import tracer
 from libs.tools import CALL_OPEN, CallMarkupFilter
 from services.gateway import metrics

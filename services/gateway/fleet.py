@@ -17,28 +17,21 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from libs.log import fields
-from libs.nats_util import (
-    DEDUPE_HEADER,
-    StreamMux,
-    StreamReader,
-    connect,
-    provision,
-    publish_acked,
-)
+from libs.nats_util import DEDUPE_HEADER, connect, provision, publish_acked
 from libs.protocol import (
     CancelRequest,
     GenerateRequest,
     KvEvent,
-    ProtocolError,
     Subjects,
     UsageEvent,
     WorkerBeat,
-    decode,
     encode,
 )
 from libs.registry import WorkerRegistry
 from libs.settings import Settings
+from libs.stream_reader import StreamMux, StreamReader
 from libs.telemetry import inject_headers
+from services.endpoint import Endpoint, ignores
 
 log = logging.getLogger("strait.gateway")
 
@@ -74,24 +67,21 @@ class Fleet:
         await provision(self.js, self.settings.nats)
         self.mux = StreamMux(self.nc, self.subjects.reply_streams(self.gateway_id))
         await self.mux.start()
-        await self.nc.subscribe(self.subjects.beats_all, cb=self._on_beat)
-        await self.nc.subscribe(self.subjects.kv_events_all, cb=self._on_kv)
+        # Malformed beats and events are the router's to report: ignored here.
+        beats = Endpoint("gateway.beat", WorkerBeat, self._on_beat, ignores)
+        await beats.subscribe(self.nc, self.subjects.beats_all)
+        kv = Endpoint("gateway.kv", KvEvent, self._on_kv, ignores)
+        await kv.subscribe(self.nc, self.subjects.kv_events_all)
 
     async def stop(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.drain()
 
-    async def _on_beat(self, msg: Msg) -> None:
-        try:
-            self.registry.on_beat(decode(msg.data, WorkerBeat))
-        except ProtocolError:
-            pass
+    async def _on_beat(self, beat: WorkerBeat, msg: Msg) -> None:
+        self.registry.on_beat(beat)
 
-    async def _on_kv(self, msg: Msg) -> None:
-        try:
-            self.registry.on_kv_event(decode(msg.data, KvEvent))
-        except ProtocolError:
-            pass
+    async def _on_kv(self, ev: KvEvent, msg: Msg) -> None:
+        self.registry.on_kv_event(ev)
 
     @property
     def connected(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from nats.aio.msg import Msg
 
 from libs.log import fields
-from libs.protocol import PlanDecision, ProtocolError, Subjects, decode
+from libs.protocol import PlanDecision, Subjects
 from libs.settings import Settings
 
 log = logging.getLogger("strait.planner.actuator")
@@ -90,22 +90,19 @@ class LocalActuator:
 
     async def _listen(self) -> None:
         from libs.nats_util import connect
+        from services.endpoint import Endpoint, logs
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         nc = await connect(self.settings.nats, "supervisor-plans")
         subjects = Subjects(self.settings.nats.subject_prefix)
 
-        async def on_plan(msg: Msg) -> None:
-            try:
-                d = decode(msg.data, PlanDecision)
-            except ProtocolError as e:
-                log.warning("bad plan", extra=fields(subject=msg.subject, error=str(e)))
-                return
+        async def on_plan(d: PlanDecision, msg: Msg) -> None:
             with self._lock:
                 self._latest[(d.pool, d.role)] = d
 
-        await nc.subscribe(subjects.plans_all, cb=on_plan)
+        plans = Endpoint("supervisor.plan", PlanDecision, on_plan, logs(log, "bad plan"))
+        await plans.subscribe(nc, subjects.plans_all)
         await nc.flush()
         self.connected.set()
         try:

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -28,17 +28,16 @@ from libs.log import fields
 from libs.nats_util import connect
 from libs.protocol import (
     PlanDecision,
-    ProtocolError,
     RouteDecision,
     RouterBeat,
     Subjects,
     UsageEvent,
     WorkerBeat,
-    decode,
     encode,
 )
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from services.endpoint import Endpoint, logs
 from services.planner import metrics
 from services.planner.actuators import build_actuator
 from services.planner.planner import Planner
@@ -66,19 +65,17 @@ async def serve(ctx: ServiceContext) -> None:
     actuate = build_actuator(s)
     nc = await connect(s.nats, "planner")
 
-    def handler(
-        type_: type[T], feed: Callable[[T, float], None]
-    ) -> Callable[[Msg], Awaitable[None]]:
-        async def on(msg: Msg) -> None:
-            try:
-                ev = decode(msg.data, type_)
-            except ProtocolError as e:
-                log.debug("unreadable message", extra=fields(subject=msg.subject, error=str(e)))
-                return
+    unreadable = logs(log, "unreadable message", logging.DEBUG)
+
+    def feeds(name: str, type_: type[T], feed: Callable[[T, float], None]) -> Endpoint[T]:
+        """An endpoint that hands each message to the planner with its arrival time."""
+
+        async def on(ev: T, msg: Msg) -> None:
             feed(ev, time.monotonic())
 
-        return on
+        return Endpoint(f"planner.{name}", type_, on, unreadable)
 
+    # Requests are read for their model alone (no full decode): hand-written.
     async def on_request(msg: Msg) -> None:
         try:
             model = _request_model.decode(msg.data).model
@@ -87,12 +84,14 @@ async def serve(ctx: ServiceContext) -> None:
         planner.on_request_model(model, time.monotonic())
 
     subs = [
-        await nc.subscribe(subjects.beats_all, cb=handler(WorkerBeat, planner.on_beat)),
-        await nc.subscribe(subjects.event("route"), cb=handler(RouteDecision, planner.on_route)),
-        await nc.subscribe(
-            subjects.router_beats_all, cb=handler(RouterBeat, planner.on_router_beat)
+        await feeds("beat", WorkerBeat, planner.on_beat).subscribe(nc, subjects.beats_all),
+        await feeds("route", RouteDecision, planner.on_route).subscribe(
+            nc, subjects.event("route")
         ),
-        await nc.subscribe(subjects.worker_usage, cb=handler(UsageEvent, planner.on_usage)),
+        await feeds("router_beat", RouterBeat, planner.on_router_beat).subscribe(
+            nc, subjects.router_beats_all
+        ),
+        await feeds("usage", UsageEvent, planner.on_usage).subscribe(nc, subjects.worker_usage),
         await nc.subscribe(subjects.requests, cb=on_request),
         await nc.subscribe(subjects.team_requests_all, cb=on_request),
     ]

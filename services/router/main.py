@@ -42,18 +42,17 @@ from libs.nats_util import (
 from libs.protocol import (
     CancelRequest,
     KvEvent,
-    ProtocolError,
     StreamOwner,
     Subjects,
     TeamsChanged,
     WorkerBeat,
-    decode,
     encode,
     request_key,
 )
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from services.endpoint import Endpoint, ignores, logs
 from services.router import metrics
 from services.router.router import Router
 
@@ -158,47 +157,30 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             return
         log.info("reading teams' requests", extra=fields(teams=new))
 
-    async def on_beat(msg: Msg) -> None:
-        try:
-            registry.on_beat(decode(msg.data, WorkerBeat))
-        except ProtocolError as e:
-            log.warning("bad beat", extra=fields(subject=msg.subject, error=str(e)))
+    async def on_beat(beat: WorkerBeat, msg: Msg) -> None:
+        registry.on_beat(beat)
 
-    async def on_kv(msg: Msg) -> None:
-        try:
-            registry.on_kv_event(decode(msg.data, KvEvent))
-        except ProtocolError as e:
-            log.warning("bad kv event", extra=fields(subject=msg.subject, error=str(e)))
+    async def on_kv(ev: KvEvent, msg: Msg) -> None:
+        registry.on_kv_event(ev)
 
-    async def on_owner(msg: Msg) -> None:
-        try:
-            o = decode(msg.data, StreamOwner)
-        except ProtocolError as e:
-            log.warning("bad stream owner", extra=fields(subject=msg.subject, error=str(e)))
-            return
+    async def on_owner(o: StreamOwner, msg: Msg) -> None:
         router.watch.owner(request_key(o.origin, o.request_id), o.worker_id)
 
-    async def on_cancel(msg: Msg) -> None:
+    async def on_cancel(c: CancelRequest, msg: Msg) -> None:
         # A client's cancel ends its stream without a last message: stop watching it (or a
         # stall would move a request nobody reads). The router's own targeted cancels name a
         # worker and leave the watch alone.
         try:
-            c = decode(msg.data, CancelRequest)
             team, rid = subjects.addressed(msg.subject, "cancel", c.request_id)
-        except (ProtocolError, ValueError):
+        except ValueError:
             return  # the workers dead-letter it
         # A team's cancel (cancel.<team>.<id>) counts only for that team's request of that id.
         if not c.worker_id:
             await router.watch.forget(request_key(team, rid))
 
-    async def on_teams_changed(msg: Msg) -> None:
+    async def on_teams_changed(tc: TeamsChanged, msg: Msg) -> None:
         # The workers cancel the revoked teams' running requests; the router refuses their
         # queued ones and stops watching the rest.
-        try:
-            tc = decode(msg.data, TeamsChanged)
-        except ProtocolError as e:
-            log.warning("bad teams message", extra=fields(error=str(e)))
-            return
         router.teams.revoke(tc.revoked)
         for key, w in list(router.watch.watched.items()):
             if w.req.team in tc.revoked:
@@ -206,11 +188,27 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
         await team_streams()
         log.info("teams changed", extra=fields(revoked=tc.revoked))
 
-    await nc.subscribe(subjects.beats_all, cb=on_beat)
-    await nc.subscribe(subjects.stream_owner, cb=on_owner)
-    await nc.subscribe(subjects.cancel_all, cb=on_cancel)
-    await nc.subscribe(subjects.kv_events_all, cb=on_kv)
-    await nc.subscribe(subjects.teams_changed, cb=on_teams_changed)
+    endpoints: list[tuple[str, Endpoint[Any]]] = [
+        (subjects.beats_all, Endpoint("router.beat", WorkerBeat, on_beat, logs(log, "bad beat"))),
+        (
+            subjects.stream_owner,
+            Endpoint("router.owner", StreamOwner, on_owner, logs(log, "bad stream owner")),
+        ),
+        # A malformed cancel is the workers' to dead-letter.
+        (subjects.cancel_all, Endpoint("router.cancel", CancelRequest, on_cancel, ignores)),
+        (subjects.kv_events_all, Endpoint("router.kv", KvEvent, on_kv, logs(log, "bad kv event"))),
+        (
+            subjects.teams_changed,
+            Endpoint(
+                "router.teams_changed",
+                TeamsChanged,
+                on_teams_changed,
+                logs(log, "bad teams message"),
+            ),
+        ),
+    ]
+    for subject, endpoint in endpoints:
+        await endpoint.subscribe(nc, subject)
     psub = await js.pull_subscribe_bind(ROUTER_DURABLE, s.nats.requests_stream)
     await team_streams()
     ctx.serving(lambda: nc.is_connected)

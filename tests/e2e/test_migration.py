@@ -127,7 +127,7 @@ def test_a_worker_killed_mid_stream_the_answer_does_not_change(
                 assert greedy[0] == expected
                 # The killed worker comes back (same id), so the next kill has a target.
                 dead = next(n for n, p in fleet.procs.items() if p.poll() is not None)
-                fleet.start(dead, "decode", {"STRAIT_WORKER__WORKER_ID": f"w{dead[-1]}", **role})
+                fleet.start(dead, "worker", {"STRAIT_WORKER__WORKER_ID": f"w{dead[-1]}", **role})
                 await asyncio.to_thread(wait_worker_ready, fleet, dead)
                 await asyncio.sleep(1.0)
                 moved = await ask(client, fleet, owners, **seeded)

@@ -66,7 +66,7 @@ def streaming_worker(up: subprocess.Popen[bytes]) -> psutil.Process:
     """The process running the pool's only streaming worker (aggregated or decode)."""
     for p in psutil.Process(up.pid).children(recursive=True):
         cmd = " ".join(p.cmdline())
-        if "services.cli" in cmd and " decode" in cmd:
+        if "services.cli worker" in cmd and "--role prefill" not in cmd:
             return p
     raise AssertionError("no worker process")
 

@@ -9,8 +9,9 @@ import time
 import nats
 import pytest
 
-from libs.nats_util import StreamGap, StreamReader, StreamWriter
 from libs.protocol import Finished, ResendRequest, TokenDelta, Usage, decode, encode
+from libs.stream_reader import StreamGap, StreamReader
+from libs.stream_writer import StreamWriter
 
 pytestmark = pytest.mark.integration
 

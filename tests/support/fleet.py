@@ -20,10 +20,12 @@ from libs.fake_engine import FakeBackend
 from libs.nats_util import connect
 from libs.runtime import ServiceContext
 from libs.settings import Settings
-from services.decode.worker import Worker
 from services.gateway.app import create_app
 from services.router.main import serve as router_serve
 from services.router.router import Router
+from services.worker.aggregated import AggregatedWorker
+from services.worker.base import Worker
+from services.worker.decode import DecodeWorker
 from tests.support.services import free_port, wait_port
 
 
@@ -102,21 +104,18 @@ class InProcessFleet:
         nc = await connect(s.nats, f"worker-{worker_id}")
         w: Worker
         if role == "prefill":
-            from services.prefill.worker import PrefillWorker
+            from services.worker.prefill import PrefillWorker
 
             w = PrefillWorker(nc, s, backend, cache)  # type: ignore[arg-type]
+        elif role == "decode":
+            w = DecodeWorker(nc, s, backend)
         else:
-            w = Worker(nc, s, backend)
-        subs = [
-            await nc.subscribe(w.subjects.work(w.worker_id), cb=w.on_assignment),
-            await nc.subscribe(w.subjects.cancel_all, cb=w.on_cancel),
-            await nc.subscribe(w.subjects.resend_all, cb=w.on_resend),
-            await nc.subscribe(w.subjects.teams_changed, cb=w.on_teams_changed),
-        ]
+            w = AggregatedWorker(nc, s, backend)
+        subs = [await ep.subscribe(nc, subject) for subject, ep in w.endpoints()]
         stopping = asyncio.Event()
         beats = asyncio.create_task(w.beat_loop(stopping))
-        if role == "decode":
-            from services.decode.handoff import HandoffReceiver
+        if isinstance(w, DecodeWorker):
+            from services.worker.handoff import HandoffReceiver
 
             receiver = HandoffReceiver(w, backend)  # type: ignore[arg-type]
             subs += await receiver.subscribe()

@@ -74,7 +74,7 @@ class ProcessFleet:
         for name, command, extra in self.extra_services:
             self.start(name, command, extra)
         for i, extra in enumerate(self.workers):
-            self.start(f"worker{i}", "decode", {"STRAIT_WORKER__WORKER_ID": f"w{i}", **extra})
+            self.start(f"worker{i}", "worker", {"STRAIT_WORKER__WORKER_ID": f"w{i}", **extra})
         self.start("gateway", "gateway")
         self.wait_ready()
         return self

@@ -39,7 +39,7 @@ from libs.protocol import (
 )
 from libs.settings import EngineSettings, PoolSettings, Settings
 from services.cache.service import CacheService
-from services.decode import metrics
+from services.worker import metrics
 from tests.support.fleet import InProcessFleet, WorkerHandle
 from tests.unit.engine.helpers import reference_greedy, save_tiny_model_dir
 

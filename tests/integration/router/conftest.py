@@ -11,7 +11,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from libs.nats_util import StreamReader
 from libs.protocol import (
     GenerateRequest,
     RouteDecision,
@@ -20,6 +19,7 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import PoolSettings, Settings
+from libs.stream_reader import StreamReader
 
 SMALL, LARGE = "smollm2-135m-instruct", "gemma3-270m"
 

@@ -82,6 +82,21 @@ REQUIRED_BREAKDOWNS = {
 # Stand-ins for values that only exist in a cluster (Secrets, the downward API).
 VALUE_FROM_PLACEHOLDER = "from-cluster"
 LONG_RUNNING_ROLES = set(SERVICES)
+# What a worker process can be: `strait worker` serves the role worker.role names (`strait
+# decode` is `strait worker`, `strait prefill` is `strait worker --role prefill`).
+WORKER_ROLES = ("aggregated", "decode", "prefill")
+
+
+def process_role(argv: list[str], env: dict[str, str]) -> str:
+    """What a `strait` command line runs: its service, or a worker's role (``--role``, else
+    ``STRAIT_WORKER__ROLE``; the settings checks below confirm the process reads the same)."""
+    if argv[0] == "prefill":
+        return "prefill"
+    if argv[0] in ("worker", "decode"):
+        if "--role" in argv:
+            return argv[argv.index("--role") + 1]
+        return env.get("STRAIT_WORKER__ROLE", "aggregated")
+    return argv[0]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -124,7 +139,7 @@ def listen_port(role: str, s: Settings) -> int | None:
         return s.gateway.port
     if role == "router":
         return s.router.metrics_port
-    if role in ("decode", "prefill"):
+    if role in WORKER_ROLES:
         return s.worker.metrics_port
     if role == "cache":
         return s.cache.metrics_port
@@ -136,6 +151,7 @@ def listen_port(role: str, s: Settings) -> int | None:
 # router's TTL passes without its beats.
 _WORKER_DRAIN_S = Settings().worker.drain_timeout_s + Settings().fleet.worker_ttl_s
 DRAIN_S = {
+    "aggregated": _WORKER_DRAIN_S,
     "decode": _WORKER_DRAIN_S,
     "prefill": _WORKER_DRAIN_S,  # the prefill main drains through run_worker
     "cache": CACHE_DRAIN_TIMEOUT_S,
@@ -194,7 +210,8 @@ class Container:
 
     @property
     def role(self) -> str:
-        return self.spec["args"][0]
+        env = {e["name"]: str(e.get("value", "")) for e in self.spec.get("env", [])}
+        return process_role(self.spec["args"], env)
 
     @property
     def where(self) -> str:
@@ -343,8 +360,8 @@ def test_every_deployment_file_parses() -> None:
 
 def test_compose_runs_real_subcommands_with_real_settings() -> None:
     services = compose_strait_services()
-    roles = {svc["command"][0] for svc in services.values()}
-    assert {"gateway", "router", "decode", "prefill", "cache"} <= roles
+    roles = {process_role(svc["command"], compose_env(svc)) for svc in services.values()}
+    assert {"gateway", "router", "aggregated", "decode", "prefill", "cache"} <= roles
     for name, svc in services.items():
         assert_real_subcommand(svc["command"], f"compose service {name}")
         assert svc["command"][0] in LONG_RUNNING_ROLES
@@ -357,7 +374,8 @@ def test_compose_ports_and_healthchecks_match_the_services() -> None:
     services = compose_strait_services()
     worker_ids = []
     for name, svc in services.items():
-        role, env = svc["command"][0], compose_env(svc)
+        env = compose_env(svc)
+        role = process_role(svc["command"], env)
         s = effective_settings(env)
         port = listen_port(role, s)
         assert port, f"compose {name}: role {role} has no HTTP port (0 disables it)"
@@ -373,7 +391,7 @@ def test_compose_ports_and_healthchecks_match_the_services() -> None:
             assert s.gateway.host == "0.0.0.0", "the gateway must listen beyond loopback"
         else:
             assert s.telemetry.http_host == "0.0.0.0", f"compose {name}: listener on loopback"
-        if role in ("decode", "prefill"):
+        if role in WORKER_ROLES:
             assert s.pool(s.worker.pool), f"compose {name}: pool {s.worker.pool} not configured"
             worker_ids.append(s.worker.worker_id)
     assert all(worker_ids) and len(set(worker_ids)) == len(worker_ids), worker_ids
@@ -384,18 +402,22 @@ def test_compose_disaggregated_profile() -> None:
     and mode, the cache service, prefill workers with the cache client on; nothing else."""
     services = compose_strait_services()
     profiled = {n: svc for n, svc in services.items() if "disaggregated" in svc.get("profiles", [])}
-    assert {svc["command"][0] for svc in profiled.values()} == {"cache", "prefill", "decode"}
+    assert {process_role(svc["command"], compose_env(svc)) for svc in profiled.values()} == {
+        "cache",
+        "prefill",
+        "decode",
+    }
     pools: dict[str, set[str]] = {}
     for name, svc in services.items():
-        role, s = svc["command"][0], effective_settings(compose_env(svc))
-        if role not in ("decode", "prefill"):
+        role = process_role(svc["command"], compose_env(svc))
+        s = effective_settings(compose_env(svc))
+        if role not in WORKER_ROLES:
             continue
         pool = s.pool(s.worker.pool)
         assert pool, name
-        expected = {"prefill": "prefill"}.get(
-            role, "decode" if pool.mode == "disaggregated" else "aggregated"
-        )
-        assert s.worker.role == expected, f"compose {name}: role {s.worker.role} in {pool}"
+        expected = ("prefill", "decode") if pool.mode == "disaggregated" else ("aggregated",)
+        assert s.worker.role == role, f"compose {name}: runs {role}, settings say {s.worker.role}"
+        assert role in expected, f"compose {name}: role {role} in {pool}"
         assert (name in profiled) == (pool.mode == "disaggregated"), name
         pools.setdefault(pool.name, set()).add(s.worker.role)
         if role == "prefill":
@@ -431,7 +453,7 @@ def test_prometheus_scrapes_every_compose_service_on_its_port() -> None:
     by_host = {t.split(":")[0]: int(t.split(":")[1]) for t in targets}
     for name, svc in compose_strait_services().items():
         s = effective_settings(compose_env(svc))
-        role = svc["command"][0]
+        role = process_role(svc["command"], compose_env(svc))
         assert by_host.get(name) == listen_port(role, s), f"prometheus target for {name}"
         if role == "gateway":
             assert s.gateway.open_metrics, "gateway /metrics needs a key unless open_metrics"
@@ -449,9 +471,9 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
 def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     variant, docs = k8s
     containers = list(strait_containers(docs))
-    roles = {"gateway", "router", "decode"}
-    if "disagg" in variant:
-        roles |= {"prefill", "cache"}
+    roles = {"gateway", "router", "aggregated"}
+    if "disagg" in variant:  # the pool's workers become its decode side
+        roles = {"gateway", "router", "decode", "prefill", "cache"}
     assert {c.role for c in containers} == roles, variant
     pools_seen = set()
     services = by_kind(docs, "Service")
@@ -486,7 +508,10 @@ def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -
             assert s.gateway.open_metrics or ann.get("prometheus.io/scrape") != "true"
         if c.role in DRAIN_S:
             assert c.pod["spec"]["terminationGracePeriodSeconds"] > DRAIN_S[c.role], c.where
-        if c.role in ("decode", "prefill"):
+        if c.role in WORKER_ROLES:
+            assert s.worker.role == c.role, (
+                f"{c.where}: runs {c.role}, settings say {s.worker.role}"
+            )
             assert s.pool(s.worker.pool), f"{c.where}: pool {s.worker.pool} not in settings"
             assert s.worker.worker_id, f"{c.where}: worker_id unset"
             assert s.engine.kv_cache_bytes > 0 or s.engine.device.startswith("cuda"), (
@@ -508,7 +533,7 @@ def test_k8s_secure_overlay_gives_every_process_its_credentials(tmp_path: Path) 
     from its ConfigMap, each at the path its setting names, in every Strait container."""
     docs = kustomize(K8S / "overlays" / "secure")
     containers = list(strait_containers(docs))
-    assert {c.role for c in containers} == {"gateway", "router", "decode"}
+    assert {c.role for c in containers} == {"gateway", "router", "aggregated"}
     for c in containers:
         s = effective_settings(container_env(c, docs, tmp_path))
         assert s.nats.url.startswith("tls://"), c.where
@@ -536,8 +561,8 @@ def test_k8s_pools_have_workers_budgets_and_autoscaling(
     settings: Settings | None = None
     for c in strait_containers(docs):
         s = effective_settings(container_env(c, docs, tmp_path))
-        if c.role in ("decode", "prefill"):
-            role = "prefill" if c.role == "prefill" else s.worker.role
+        if c.role in WORKER_ROLES:
+            role = s.worker.role
             assert (s.worker.pool, role) not in workers, f"two Deployments for {role} {c.where}"
             workers[(s.worker.pool, role)] = c
         if c.role == "cache":

@@ -69,17 +69,18 @@ def test_disaggregated_pool_with_cache_starts_cache_prefill_and_decode(tmp_path:
     assert [(c.name, command(c)) for c in children] == [
         ("router", "router"),
         ("cache", "cache"),
-        ("decode d-w0", "decode"),
-        ("decode d-w1", "decode"),
-        ("prefill d-p0", "prefill"),
+        ("decode d-w0", "worker"),
+        ("decode d-w1", "worker"),
+        ("prefill d-p0", "worker"),
         ("gateway", "gateway"),
     ]
     ports = []
     for c in children:
         s = child_settings(c)
-        if command(c) in ("decode", "prefill"):
+        if command(c) == "worker":
             assert s.worker.pool == "d"
-            assert s.worker.role == command(c)  # decode workers run as role decode
+            assert c.argv[-2:] == ["--role", c.role]
+            assert s.worker.role == c.role  # decode workers run as role decode
             assert s.worker.worker_id == c.name.split()[1]
             assert s.worker.metrics_port > 0
             ports.append(s.worker.metrics_port)

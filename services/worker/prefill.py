@@ -1,8 +1,9 @@
 """The prefill worker of a disaggregated pool: computes prompts, hands requests to decode.
 
-Used by ``strait prefill``. Takes assignments from the router exactly as an aggregated worker
-does (``Worker.on_assignment``: same acceptance, duplicates, cancel, beats with role
-``prefill``), but :meth:`PrefillWorker.serve` runs only the prompt and the first token:
+Used by ``strait worker`` with ``worker.role = "prefill"`` (``strait prefill``). Takes
+assignments from the router exactly as an aggregated worker does (``Worker.on_assignment``: same
+acceptance, duplicates, cancel, beats with role ``prefill``), but :meth:`PrefillWorker.serve`
+runs only the prompt and the first token:
 
     prepare → [prefix-cache service: lookup, fetch, import] → engine prefill (first token,
     prompt blocks exported) → done here when the request ends at its first token; otherwise
@@ -41,7 +42,7 @@ from libs.engine.kv_transfer import KvBlocks, split, tail
 from libs.engine.kv_transfer import encode as encode_kv
 from libs.kv_cache_client import chunk_limit
 from libs.log import fields
-from libs.nats_util import StreamWriter, publish_chunks
+from libs.nats_util import publish_chunks
 from libs.protocol import (
     Assignment,
     HandoffAbort,
@@ -54,10 +55,11 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import Settings
+from libs.stream_writer import StreamWriter
 from libs.telemetry import inject_headers
 from libs.tools import ToolCallCollector, ToolSpec
-from services.decode import metrics
-from services.decode.worker import Worker
+from services.worker import metrics
+from services.worker.base import Worker
 
 log = logging.getLogger("strait.prefill")
 
@@ -88,9 +90,7 @@ class PrefillWorker(Worker):
         self.chunk_bytes = chunk_limit(nc, settings, self.cfg.chunk_bytes)
         self._stores: set[asyncio.Task[None]] = set()
 
-    async def serve(
-        self, a: Assignment, parent: Context, handoff: HandoffOffer | None = None
-    ) -> None:
+    async def serve(self, a: Assignment, parent: Context) -> None:
         req = a.request
         rid, key = req.request_id, req.key
         # A migrated request: another worker streamed ``replayed``; this stream goes on after.

@@ -1,15 +1,17 @@
-"""The worker loop: take assignments over NATS, run them on a backend, stream the tokens.
+"""What every worker does, whatever its role: take assignments, cancels, resends and team
+revocations over NATS, own its requests' streams, beat its load, drain.
 
-Used by ``strait decode`` (role ``aggregated``: one worker does prefill and decode). Flow per
-assignment: router --Assignment (request/reply)--> ``on_assignment`` → ack → ``serve`` task:
-``backend.prepare`` → ``backend.generate`` → TokenDelta… → Finished (or ErrorMessage).
-A ``CancelRequest`` aborts the request and frees its blocks.
+Subclassed by each role (``services.worker.main`` picks one by ``worker.role``):
+``AggregatedWorker`` (aggregated.py: prompt and tokens here), ``DecodeWorker`` (decode.py: tokens
+after a KV handoff) and ``PrefillWorker`` (prefill.py: prompt and first token, then a handoff).
+Flow per assignment: router --Assignment (request/reply)--> ``on_assignment`` → ack → the role's
+``serve`` task → TokenDelta… → Finished (or ErrorMessage, through :meth:`Worker.fail`), and
+:meth:`Worker.finish` logs it. A ``CancelRequest`` aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -23,9 +25,9 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from libs.backend import Backend, BackendError, GenerationChunk, Resume
+from libs.backend import Backend, BackendError, GenerationChunk
 from libs.log import fields
-from libs.nats_util import StreamTaken, StreamWriter, publish_acked, publish_msg
+from libs.nats_util import publish_acked, publish_msg
 from libs.protocol import (
     Assignment,
     AssignmentAck,
@@ -33,11 +35,9 @@ from libs.protocol import (
     ErrorMessage,
     Finished,
     GenerateRequest,
-    HandoffOffer,
     KvEvent,
     ProtocolError,
     ResendRequest,
-    Routed,
     Subjects,
     TeamsChanged,
     Timings,
@@ -46,16 +46,16 @@ from libs.protocol import (
     Usage,
     UsageEvent,
     WorkerBeat,
-    decode,
     encode,
     request_key,
     validate_request,
 )
 from libs.settings import Settings
+from libs.stream_writer import StreamTaken, StreamWriter
 from libs.telemetry import extract_context, tracer
-from libs.tools import ToolCallCollector, ToolSpec, constraint_kind
 from services.deadletter import dead_letter
-from services.decode import metrics
+from services.endpoint import Endpoint, dead_letters
+from services.worker import metrics
 
 log = logging.getLogger("strait.worker")
 
@@ -106,37 +106,62 @@ class Worker:
             return True
         return time.monotonic() - self.last_beat_at <= self.settings.fleet.worker_ttl_s
 
-    # ------------------------------------------------------------ NATS handlers
+    # ------------------------------------------------------------ NATS endpoints
 
-    async def on_assignment(self, msg: Msg) -> None:
-        try:
-            a = decode(msg.data, Assignment)
-            validate_request(a.request)
-        except ProtocolError as e:
-            await self._reject_malformed(msg, e)
-            return
-        except Exception as e:  # a validation bug: refuse, never crash the handler
-            log.exception("assignment could not be validated")
-            await self._reject_malformed(msg, ProtocolError("invalid_request", repr(e)))
-            return
-        key = a.request.key
-        if (
-            self.draining
-            or len(self.tasks) >= self.settings.worker.max_waiting + self.load_capacity()
-        ):
-            await self._ack(
-                msg, AssignmentAck(accepted=False, reason="draining" if self.draining else "full")
-            )
-            return
-        if a.migration is not None and self.role == "decode":
-            await self._ack(msg, AssignmentAck(accepted=False, reason="migration_unsupported"))
-            return
-        if key in self.tasks:  # duplicate delivery of an assignment we already run
-            await self._ack(msg, AssignmentAck(accepted=True, reason="duplicate"))
-            return
+    def endpoints(self) -> list[tuple[str, Endpoint[Any]]]:
+        """(subject, handler) of everything a worker of any role serves; ``services.worker.main``
+        subscribes them (and a decode worker's handoff subjects, ``HandoffReceiver``)."""
+        nc, subjects, wid = self.nc, self.subjects, self.worker_id
+        letters = dead_letters(nc, subjects, "worker")
+        return [
+            (
+                subjects.work(wid),
+                Endpoint(
+                    "worker.assignment",
+                    Assignment,
+                    self.on_assignment,
+                    self._reject_malformed,
+                    validate=lambda a: validate_request(a.request),
+                ),
+            ),
+            (
+                subjects.cancel_all,
+                Endpoint("worker.cancel", CancelRequest, self.on_cancel, letters),
+            ),
+            (
+                subjects.resend_all,
+                Endpoint("worker.resend", ResendRequest, self.on_resend, letters),
+            ),
+            (
+                subjects.teams_changed,
+                Endpoint("worker.teams_changed", TeamsChanged, self.on_teams_changed, letters),
+            ),
+        ]
+
+    def refusal(self, a: Assignment) -> str:
+        """Why this worker does not take ``a`` now ("" = it does): draining, or full (running
+        and queued past ``worker.max_waiting`` + the engine's capacity)."""
+        if self.draining:
+            return "draining"
+        if len(self.tasks) >= self.settings.worker.max_waiting + self.load_capacity():
+            return "full"
+        return ""
+
+    async def on_assignment(self, a: Assignment, msg: Msg) -> AssignmentAck | None:
+        """The router offers ``a``: accept it (and start :meth:`serve`) or say why not."""
+        reason = self.refusal(a)
+        if reason:
+            return AssignmentAck(accepted=False, reason=reason)
+        if a.request.key in self.tasks:  # duplicate delivery of an assignment we already run
+            return AssignmentAck(accepted=True, reason="duplicate")
+        # Acknowledged before the request starts (the router waits on it, not on the work).
         await self._ack(msg, AssignmentAck(accepted=True))
-        parent = extract_context(msg.headers)
-        self.start_task(a.request, self.serve(a, parent))
+        self.start_task(a.request, self.serve(a, extract_context(msg.headers)))
+        return None
+
+    async def serve(self, a: Assignment, parent: Context) -> None:
+        """Run one assigned request to the end of its stream (each role's own)."""
+        raise NotImplementedError
 
     def start_task(
         self, req: GenerateRequest, coro: Coroutine[Any, Any, None]
@@ -153,12 +178,7 @@ class Worker:
         task.add_done_callback(done)
         return task
 
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            c = decode(msg.data, CancelRequest)
-        except ProtocolError as e:
-            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
-            return
+    async def on_cancel(self, c: CancelRequest, msg: Msg) -> None:
         try:
             team, rid = self.subjects.addressed(msg.subject, "cancel", c.request_id)
         except ValueError:
@@ -180,25 +200,15 @@ class Worker:
             task.cancel()
             metrics.CANCELLED.inc()
 
-    async def on_teams_changed(self, msg: Msg) -> None:
+    async def on_teams_changed(self, tc: TeamsChanged, msg: Msg) -> None:
         """``strait teams revoke``: cancel the running requests of revoked teams."""
-        try:
-            tc = decode(msg.data, TeamsChanged)
-        except ProtocolError as e:
-            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
-            return
         revoked = set(tc.revoked)
         for key in [k for k, t in self.teams.items() if t in revoked]:
             log.info("cancelling a revoked team's request", extra=fields(request_id=key))
             self._cancel(key)
 
-    async def on_resend(self, msg: Msg) -> None:
+    async def on_resend(self, r: ResendRequest, msg: Msg) -> None:
         """A reader lost stream messages: publish again what this worker still holds."""
-        try:
-            r = decode(msg.data, ResendRequest)
-        except ProtocolError as e:
-            await dead_letter(self.nc, self.subjects, msg, str(e), "worker")
-            return
         try:
             team, rid = self.subjects.addressed(msg.subject, "resend")
         except ValueError:
@@ -370,137 +380,6 @@ class Worker:
         return self.backend.load().capacity
 
     # ------------------------------------------------------------ one request
-
-    async def serve(
-        self, a: Assignment, parent: Context, handoff: HandoffOffer | None = None
-    ) -> None:
-        """Run one request to its end on the stream. With ``handoff`` (decode role), the prompt
-        was computed by a prefill worker: its blocks are already imported, its first token is
-        resumed, and the stream continues at ``handoff.next_seq``."""
-        req = a.request
-        rid, key = req.request_id, req.key
-        subject = req.reply_subject or self.subjects.stream(rid)
-        mig = a.migration
-        first_seq = handoff.next_seq if handoff else mig.next_seq if mig else 1
-        out = StreamWriter(
-            self.nc,
-            subject,
-            rid,
-            first_seq,
-            owner=self.owns_streams,
-            keep=self.settings.worker.resend_window,
-            key=key,
-        )
-        self.writers[key] = out
-        started = time.perf_counter()
-        # Time to first token as the client sees it from the workers' side: a handed-off
-        # request already spent prefill_s on the prefill worker.
-        ttft_offset = handoff.prefill_s if handoff else 0.0
-        ttft: float | None = None
-        last_token_at = 0.0
-        spec = (0, 0)  # speculative tokens proposed and kept for this request so far
-        usage = Usage()
-        status, error_code = "ok", ""
-        span = self.begin("worker.generate", a, parent)
-        phase_ctx = trace.set_span_in_context(span)
-        # Aggregated mode runs both phases here: "prefill" until the first token, then "decode".
-        # A handed-off request is in its decode phase from the start.
-        phase = self._tracer.start_span("decode" if handoff else "prefill", context=phase_ctx)
-        resume = None
-        replayed = mig.output_token_ids if mig is not None else []
-        if handoff is not None and handoff.first_token_id is not None:
-            resume = Resume(handoff.first_token_id, handoff.first_logprobs, replayed)
-        elif mig is not None:
-            resume = Resume(replayed=replayed)
-        if mig is not None:
-            span.set_attribute("strait.migrated_from", mig.from_worker)
-            span.set_attribute("strait.replayed_tokens", len(mig.output_token_ids))
-        try:
-            if req.want_route and handoff is None and mig is None:
-                await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
-            tools = ToolSpec.of(req)
-            prompt = await asyncio.to_thread(
-                functools.partial(
-                    self.backend.prepare,
-                    prompt=None if handoff else req.prompt,
-                    prompt_token_ids=handoff.prompt_token_ids if handoff else req.prompt_token_ids,
-                    messages=None if handoff else req.messages,
-                    sampling=req.sampling,
-                    tools=tools,
-                )
-            )
-            usage.prompt_tokens = len(prompt.token_ids)
-            span.set_attribute("strait.constraint", constraint_kind(req))
-            calls = ToolCallCollector(tools, req.sampling.n) if tools and tools.parsed else None
-            if mig is not None:
-                # The lost worker's tokens count once, here; their text feeds the call parser.
-                usage.completion_tokens = len(mig.output_token_ids)
-                if calls is not None:
-                    calls.texts[0] = mig.output_text
-            if mig is not None and mig.finished and handoff is None:
-                # Every delta was streamed; only the stream's end was lost with the worker.
-                await self.send_finished(out, a, usage, None, time.perf_counter() - started)
-                return
-            gen = self.backend.generate(key, prompt, req.sampling, req.priority, resume)
-            async for chunk in gen:
-                now = time.perf_counter()
-                if ttft is None and (chunk.token_ids or chunk.finish_reason):
-                    ttft = ttft_offset + now - started
-                    span.add_event("first_token")
-                    metrics.TTFT.labels(priority=req.priority).observe(ttft)
-                    if handoff is None:
-                        # A migrated request's replayed output is recomputed like prompt.
-                        computed = usage.prompt_tokens + len(replayed)
-                        self.count_prompt(computed, chunk.num_cached_tokens)
-                        phase.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
-                        phase.set_attribute("strait.cached_tokens", chunk.num_cached_tokens)
-                        phase.set_attribute(
-                            "strait.computed_tokens",
-                            computed - chunk.num_cached_tokens,
-                        )
-                        phase.end()
-                        phase = self._tracer.start_span("decode", context=phase_ctx)
-                elif chunk.token_ids and chunk.index == 0:
-                    # A step that kept speculated tokens delivers several at once: each of
-                    # them waited its share.
-                    itl = metrics.ITL.labels(priority=req.priority)
-                    for _ in chunk.token_ids:
-                        itl.observe((now - last_token_at) / len(chunk.token_ids))
-                if chunk.token_ids and chunk.index == 0:
-                    last_token_at = now
-                spec = (chunk.num_spec_proposed, chunk.num_spec_accepted)
-                usage.completion_tokens += len(chunk.token_ids)
-                usage.cached_tokens = (
-                    handoff.num_cached_tokens
-                    if handoff
-                    else min(chunk.num_cached_tokens, usage.prompt_tokens)
-                )
-                await self.send_chunk(out, chunk, calls.add(chunk) if calls else None)
-            total = ttft_offset + time.perf_counter() - started
-            await self.send_finished(out, a, usage, ttft, total)
-        except (Exception, asyncio.CancelledError) as e:
-            status, error_code = await self.fail(out, e)
-        finally:
-            phase.set_attribute("strait.completion_tokens", usage.completion_tokens)
-            phase.end()
-            span.set_attribute("strait.prompt_tokens", usage.prompt_tokens)
-            span.set_attribute("strait.completion_tokens", usage.completion_tokens)
-            span.set_attribute("strait.cached_tokens", usage.cached_tokens)
-            if spec[0]:
-                span.set_attribute("strait.spec_proposed_tokens", spec[0])
-                span.set_attribute("strait.spec_accepted_tokens", spec[1])
-            self.finish(
-                key,
-                span,
-                status,
-                error_code,
-                started,
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                ttft_s=round(ttft, 4) if ttft else None,
-                spec_accepted=f"{spec[1]}/{spec[0]}" if spec[0] else None,
-            )
 
     def begin(self, span_name: str, a: Assignment, parent: Context) -> trace.Span:
         """A request's start: running and queue-time metrics, and its span (ended by

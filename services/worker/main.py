@@ -1,9 +1,15 @@
-"""``strait decode``: a worker process (role ``aggregated`` by default: prefill + decode; role
-``decode`` in a disaggregated pool, where requests arrive as KV handoffs from prefill workers).
+"""``strait worker``: one worker process of the role ``worker.role`` says.
+
+- ``aggregated`` (the default): prefill + decode here (``AggregatedWorker``);
+- ``decode``: a disaggregated pool's decode side; requests arrive as KV handoffs from prefill
+  workers (``DecodeWorker`` + ``HandoffReceiver``);
+- ``prefill``: a disaggregated pool's prefill side, with the prefix-cache service's client when
+  ``cache.enabled`` (``PrefillWorker``); ``strait prefill`` is ``strait worker`` of this role.
 
 Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
-``backend = "fake"``), then serves ``work.<worker_id>`` and ``cancel.>`` and beats until SIGTERM
-or a ``DrainRequest`` on ``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit.
+``backend = "fake"``; the disaggregated roles need the engine), then serves ``work.<worker_id>``,
+``cancel.>``, ``resend.>`` and ``admin.teams`` and beats until SIGTERM or a ``DrainRequest`` on
+``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit.
 """
 
 from __future__ import annotations
@@ -22,11 +28,15 @@ from libs.backend import Backend
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
 from libs.nats_util import connect
-from libs.protocol import AssignmentAck, DrainRequest, ProtocolError, decode, encode
+from libs.protocol import AssignmentAck, DrainRequest
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
-from services.decode.handoff import HandoffReceiver
-from services.decode.worker import Worker
+from services.endpoint import Endpoint, logs
+from services.worker.aggregated import AggregatedWorker
+from services.worker.base import Worker
+from services.worker.decode import DecodeWorker
+from services.worker.handoff import HandoffReceiver
+from services.worker.prefill import PrefillWorker, PrefixCache
 
 log = logging.getLogger("strait.worker")
 
@@ -45,21 +55,49 @@ def build_backend(settings: Settings) -> Backend:
     return AsyncEngineBackend.from_settings(settings, pool)
 
 
+def cache_client(nc: object, settings: Settings) -> PrefixCache | None:
+    if not settings.cache.enabled:
+        return None
+    from libs.kv_cache_client import CacheClient
+
+    return CacheClient(nc, settings)  # type: ignore[arg-type]
+
+
 async def serve(ctx: ServiceContext) -> None:
+    """An aggregated or decode worker (``worker.role``); a prefill worker: :func:`serve_prefill`."""
     settings = ctx.settings
     backend = build_backend(settings)
     await backend.start()
     nc = await connect(settings.nats, f"worker-{settings.worker.pool}")
-    worker = Worker(nc, settings, backend)
     subs: list[Subscription] = []
     tasks: list[asyncio.Task[None]] = []
-    if worker.role == "decode":  # disaggregated: requests arrive as KV handoffs
+    worker: Worker
+    if settings.worker.role == "decode":  # disaggregated: requests arrive as KV handoffs
         if not isinstance(backend, AsyncEngineBackend):
             raise SystemExit("worker.role = 'decode' needs backend = 'engine' (KV handoff)")
+        worker = DecodeWorker(nc, settings, backend)
         receiver = HandoffReceiver(worker, backend)
         subs += await receiver.subscribe()
         tasks.append(asyncio.create_task(receiver.sweep_loop(ctx.stopping)))
+    else:
+        worker = AggregatedWorker(nc, settings, backend)
     await run_worker(ctx, nc, worker, subs, tasks)
+
+
+async def serve_prefill(ctx: ServiceContext) -> None:
+    """A prefill worker: the engine (a KV handoff needs it) and the cache service's client."""
+    settings = ctx.settings.model_copy(deep=True)
+    settings.worker.role = "prefill"
+    pool = settings.pool(settings.worker.pool)
+    if pool is None:
+        raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
+    if pool.backend != "engine":
+        raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
+    backend = AsyncEngineBackend.from_settings(settings, pool)
+    await backend.start()
+    nc = await connect(settings.nats, f"prefill-{pool.name}")
+    worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))
+    await run_worker(ctx, nc, worker, [], [])
 
 
 async def run_worker(
@@ -69,8 +107,8 @@ async def run_worker(
     subs: list[Subscription],
     tasks: list[asyncio.Task[None]],
 ) -> None:
-    """Serve ``work.<id>`` and ``cancel.>`` (plus the role's own ``subs`` and ``tasks``) and
-    beat until SIGTERM; then drain running requests and close. The decode and prefill mains.
+    """Serve the worker's endpoints (plus the role's own ``subs`` and ``tasks``) and beat
+    until SIGTERM; then drain running requests and close. Every role's serve ends here.
     A standby worker (``worker.standby``) waits, loaded and connected, for SIGUSR1 first."""
     if worker.settings.worker.standby and not await standby(ctx, worker):
         for t in tasks:
@@ -82,24 +120,14 @@ async def run_worker(
         return
     ctx.serving(lambda: nc.is_connected and not worker.draining)
 
-    async def on_drain(msg: Msg) -> None:
-        try:
-            d = decode(msg.data, DrainRequest)
-        except ProtocolError as e:
-            log.warning("bad drain request", extra=fields(subject=msg.subject, error=str(e)))
-            return
+    async def on_drain(d: DrainRequest, msg: Msg) -> AssignmentAck:
         log.info("drain requested", extra=fields(worker_id=d.worker_id, reason=d.reason))
-        if msg.reply:
-            await nc.publish(msg.reply, encode(AssignmentAck(accepted=True, reason="draining")))
-        ctx.stopping.set()  # the SIGTERM path: drain, then exit
+        ctx.stopping.set()  # the SIGTERM path: drain, then exit (after this answer)
+        return AssignmentAck(accepted=True, reason="draining")
 
-    subs += [
-        await nc.subscribe(worker.subjects.work(worker.worker_id), cb=worker.on_assignment),
-        await nc.subscribe(worker.subjects.cancel_all, cb=worker.on_cancel),
-        await nc.subscribe(worker.subjects.resend_all, cb=worker.on_resend),
-        await nc.subscribe(worker.subjects.drain(worker.worker_id), cb=on_drain),
-        await nc.subscribe(worker.subjects.teams_changed, cb=worker.on_teams_changed),
-    ]
+    drain = Endpoint("worker.drain", DrainRequest, on_drain, logs(log, "bad drain request"))
+    endpoints = [*worker.endpoints(), (worker.subjects.drain(worker.worker_id), drain)]
+    subs += [await ep.subscribe(nc, subject) for subject, ep in endpoints]
     # Beats go on while draining (they say so, and keep the router from moving requests that
     # are finishing here); they stop once the drain is over.
     beats_stop = asyncio.Event()
@@ -155,7 +183,16 @@ async def standby(ctx: ServiceContext, worker: Worker) -> bool:
     return True
 
 
-def main(settings: Settings | None = None) -> int:
+def main(settings: Settings | None = None, role: str | None = None) -> int:
+    """``strait worker [--role ROLE]`` (``role`` overrides ``worker.role``); ``strait decode``
+    is ``strait worker``, ``strait prefill`` is ``strait worker --role prefill``."""
     settings = settings or get_settings()
+    if role is not None:
+        settings = settings.model_copy(deep=True)
+        settings.worker.role = role  # type: ignore[assignment]
     arm_standby(settings)
-    return run_service("worker", serve, settings, http_port=settings.worker.metrics_port)
+    if settings.worker.role == "prefill":
+        name, run = "prefill", serve_prefill
+    else:
+        name, run = "worker", serve
+    return run_service(name, run, settings, http_port=settings.worker.metrics_port)

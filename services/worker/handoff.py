@@ -1,15 +1,15 @@
 """The decode side of a KV handoff (disaggregated pools; protocol in libs/protocol.py).
 
-Used by ``strait decode`` when ``worker.role = "decode"``: it subscribes :meth:`on_offer`,
-:meth:`on_kv`, :meth:`on_commit` and :meth:`on_abort` on this worker's handoff subjects, and
-runs :meth:`sweep_loop`. Per transfer:
+Used by a decode worker (``services.worker.decode``; ``services.worker.main`` starts it): it
+subscribes :meth:`on_offer`, :meth:`on_kv`, :meth:`on_commit` and :meth:`on_abort` on this
+worker's handoff subjects, and runs :meth:`sweep_loop`. Per transfer:
 
     offer   → refuse (draining / full / too large / duplicate) or reserve a slot until
               ``handoff.reservation_ttl_s`` and answer with the subject for the KV chunks and
               how many leading offered blocks this engine already holds (not sent again)
     chunks  → buffered in memory (bytes only; no engine blocks are taken yet)
     commit  → the count of chunks sent; all here? decode the blocks, import them into the
-              engine's prefix cache, start the request (``Worker.serve`` with the offer)
+              engine's prefix cache, start the request (``DecodeWorker.serve_handoff``)
     abort   → forget the transfer; if the request already started here, cancel it (the prefill
               side gave up on it and tells the client)
 
@@ -40,16 +40,14 @@ from libs.protocol import (
     HandoffOffer,
     HandoffReply,
     HandoffResult,
-    ProtocolError,
     StreamOwner,
-    decode,
     encode,
     request_key,
 )
 from libs.telemetry import extract_context
-from services.deadletter import dead_letter
-from services.decode import metrics
-from services.decode.worker import Worker
+from services.endpoint import Endpoint, answers_or_dead_letters, dead_letters
+from services.worker import metrics
+from services.worker.decode import DecodeWorker
 
 log = logging.getLogger("strait.handoff")
 
@@ -76,7 +74,7 @@ class _Transfer:
 
 
 class HandoffReceiver:
-    def __init__(self, worker: Worker, engine: AsyncEngineBackend) -> None:
+    def __init__(self, worker: DecodeWorker, engine: AsyncEngineBackend) -> None:
         self.worker = worker
         self.nc = worker.nc
         self.subjects = worker.subjects
@@ -91,13 +89,45 @@ class HandoffReceiver:
         # KV chunks arrive in bursts; a pending limit in bytes large enough for several
         # prompts' blocks keeps nats-py from dropping them as a slow consumer.
         pending = 64 * self.worker.settings.nats.max_payload
-        return [
-            await self.nc.subscribe(self.subjects.handoff_offer(wid), cb=self.on_offer),
-            await self.nc.subscribe(
-                self.subjects.handoff_kv_all(wid), cb=self.on_kv, pending_bytes_limit=pending
+        nc, subjects = self.nc, self.subjects
+        offer = Endpoint(
+            "decode.handoff_offer",
+            HandoffOffer,
+            self.on_offer,
+            answers_or_dead_letters(
+                nc,
+                subjects,
+                "decode",
+                lambda e: HandoffReply(accepted=False, reason=str(e)),
+                "bad handoff offer: ",
             ),
-            await self.nc.subscribe(self.subjects.handoff_commit(wid), cb=self.on_commit),
-            await self.nc.subscribe(self.subjects.handoff_abort(wid), cb=self.on_abort),
+        )
+        commit = Endpoint(
+            "decode.handoff_commit",
+            HandoffCommit,
+            self.on_commit,
+            answers_or_dead_letters(
+                nc,
+                subjects,
+                "decode",
+                lambda e: HandoffResult(ok=False, reason=str(e)),
+                "bad handoff commit: ",
+            ),
+        )
+        abort = Endpoint(
+            "decode.handoff_abort",
+            HandoffAbort,
+            self.on_abort,
+            dead_letters(nc, subjects, "decode"),
+        )
+        return [
+            await offer.subscribe(nc, subjects.handoff_offer(wid)),
+            # Raw KV chunks, no message to decode: hand-written (on_kv).
+            await nc.subscribe(
+                subjects.handoff_kv_all(wid), cb=self.on_kv, pending_bytes_limit=pending
+            ),
+            await commit.subscribe(nc, subjects.handoff_commit(wid)),
+            await abort.subscribe(nc, subjects.handoff_abort(wid)),
         ]
 
     # ------------------------------------------------------------ offer
@@ -116,12 +146,7 @@ class HandoffReceiver:
             return "too_large"
         return ""
 
-    async def on_offer(self, msg: Msg) -> None:
-        try:
-            offer = decode(msg.data, HandoffOffer)
-        except ProtocolError as e:
-            await self._answer(msg, HandoffReply(accepted=False, reason=str(e)), "offer", str(e))
-            return
+    async def on_offer(self, offer: HandoffOffer, msg: Msg) -> HandoffReply:
         reason = self._refusal(offer)
         rid = offer.assignment.request.request_id
         if reason:
@@ -130,16 +155,13 @@ class HandoffReceiver:
                 "handoff refused",
                 extra=fields(request_id=rid, transfer_id=offer.transfer_id, reason=reason),
             )
-            await self._answer(msg, HandoffReply(accepted=False, reason=reason))
-            return
+            return HandoffReply(accepted=False, reason=reason)
         self.transfers[offer.transfer_id] = _Transfer(
             offer, time.monotonic() + self.cfg.reservation_ttl_s
         )
         kv_subject = self.subjects.handoff_kv(self.worker.worker_id, offer.transfer_id)
         have = self.engine.cached_prefix_blocks(offer.block_hashes)
-        await self._answer(
-            msg, HandoffReply(accepted=True, kv_subject=kv_subject, cached_blocks=have)
-        )
+        return HandoffReply(accepted=True, kv_subject=kv_subject, cached_blocks=have)
 
     # ------------------------------------------------------------ chunks
 
@@ -158,16 +180,10 @@ class HandoffReceiver:
 
     # ------------------------------------------------------------ commit
 
-    async def on_commit(self, msg: Msg) -> None:
-        try:
-            c = decode(msg.data, HandoffCommit)
-        except ProtocolError as e:
-            await self._answer(msg, HandoffResult(ok=False, reason=str(e)), "commit", str(e))
-            return
+    async def on_commit(self, c: HandoffCommit, msg: Msg) -> HandoffResult:
         t = self.transfers.get(c.transfer_id)
         if t is None:
-            await self._answer(msg, HandoffResult(ok=False, reason="unknown_transfer"))
-            return
+            return HandoffResult(ok=False, reason="unknown_transfer")
         # Chunks and the commit travel on different subscriptions: give the last chunks a
         # moment to be dispatched before calling them missing.
         t.expect(c.kv_chunks)
@@ -176,12 +192,11 @@ class HandoffReceiver:
         except TimeoutError:
             pass
         if self.transfers.pop(c.transfer_id, None) is None:  # aborted meanwhile
-            await self._answer(msg, HandoffResult(ok=False, reason="unknown_transfer"))
-            return
+            return HandoffResult(ok=False, reason="unknown_transfer")
         result = await self._admit(t, c, extract_context(msg.headers))
         outcome = "ok" if result.ok else "failed"
         metrics.HANDOFFS.labels(side="decode", outcome=outcome).inc()
-        await self._answer(msg, result)
+        return result
 
     async def _admit(self, t: _Transfer, c: HandoffCommit, parent: Context) -> HandoffResult:
         offer = t.offer
@@ -205,7 +220,7 @@ class HandoffReceiver:
                 ok=False, reason="draining" if self.worker.draining else "duplicate"
             )
         self.started[key] = offer.transfer_id
-        task = self.worker.start_task(req, self.worker.serve(offer.assignment, parent, offer))
+        task = self.worker.start_task(req, self.worker.serve_handoff(offer, parent))
         task.add_done_callback(lambda _: self.started.pop(key, None))
         owner = StreamOwner(request_id=rid, origin=req.origin, worker_id=self.worker.worker_id)
         await self.worker.nc.publish(self.worker.subjects.stream_owner, encode(owner))
@@ -223,12 +238,7 @@ class HandoffReceiver:
 
     # ------------------------------------------------------------ abort and expiry
 
-    async def on_abort(self, msg: Msg) -> None:
-        try:
-            a = decode(msg.data, HandoffAbort)
-        except ProtocolError as e:
-            await dead_letter(self.nc, self.subjects, msg, str(e), "decode")
-            return
+    async def on_abort(self, a: HandoffAbort, msg: Msg) -> None:
         self.transfers.pop(a.transfer_id, None)
         key = request_key(a.origin, a.request_id)
         if self.started.get(key) == a.transfer_id:
@@ -263,17 +273,3 @@ class HandoffReceiver:
                 await asyncio.wait_for(stopping.wait(), interval)
             except TimeoutError:
                 continue
-
-    # ------------------------------------------------------------ replies
-
-    async def _answer(
-        self,
-        msg: Msg,
-        reply: HandoffReply | HandoffResult,
-        what: str = "",
-        error: str = "",
-    ) -> None:
-        if msg.reply:
-            await self.nc.publish(msg.reply, encode(reply))
-        elif error:
-            await dead_letter(self.nc, self.subjects, msg, f"bad handoff {what}: {error}", "decode")
