@@ -52,7 +52,7 @@ GRAPH_SOURCES = (
     "aot.py",
     "attention.py",
     "fuse.py",
-    "kernels/cpu_kernels.cpp",
+    *(f"kernels/{path.name}" for path in (*kernels.SOURCES, *kernels.HEADERS)),
     "kernels/ops.py",
     "kernels/linear.py",
     "quant/__init__.py",

@@ -1,4 +1,4 @@
-"""Strait's CPU kernels (``cpu_kernels.cpp``), compiled on first use and cached.
+"""Strait's CPU kernels (the C++ sources beside this module), compiled on first use and cached.
 
 The model runner calls :func:`load` once at start when ``engine.cpu_kernels`` allows it; the
 result is the compiled module (``pack_weight``, ``packed_linear``, ``paged_row_attention``,
@@ -23,7 +23,31 @@ from typing import Any, Literal
 
 log = logging.getLogger("strait.engine")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HERE = Path(__file__).parent
+# One translation unit per kernel family, and the one that binds them into the module (torch's
+# loader compiles each into its own object, in parallel where the machine has the cores).
+SOURCES = tuple(
+    HERE / name
+    for name in (
+        "packed_linear.cpp",
+        "block_linear.cpp",
+        "paged_attention.cpp",
+        "sampler.cpp",
+        "bindings.cpp",
+    )
+)
+# What the sources include: the ISA macros and helpers, the entry points, the block format and
+# its per-ISA tiles.
+HEADERS = tuple(
+    HERE / name
+    for name in (
+        "cpu_isa.h",
+        "kernels.h",
+        "block_layout.h",
+        "block_tiles_avx2.h",
+        "block_tiles_avx512.h",
+    )
+)
 Mode = Literal["auto", "on", "off"]
 
 _lock = threading.Lock()
@@ -45,6 +69,16 @@ def cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+def source_tag() -> str:
+    """Short hash of every source and header: part of the build's name, so an edited checkout
+    (or a second checkout, beside this one, of other code) builds into its own directory of the
+    shared extensions cache instead of rebuilding, and replacing, another's build."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:8]
+
+
 # Extra compiler flags and module-name suffix per build variant. "native": everything this CPU
 # has (the engine's build). "avx2": AVX-512 off and no dispatcher ops, for tests that hold the
 # AVX2 path against the AVX-512 one in the same process.
@@ -63,8 +97,8 @@ def build(variant: str = "native") -> Any:
 
         flags, suffix = VARIANTS[variant]
         module = load_extension(
-            name=f"strait_cpu_kernels_{cpu_tag()}{suffix}",
-            sources=[str(SOURCE)],
+            name=f"strait_cpu_kernels_{cpu_tag()}_{source_tag()}{suffix}",
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
             # libgomp resolves to the copy torch has already loaded (same soname), so the
             # kernels share torch's OpenMP thread pool instead of starting a second one.

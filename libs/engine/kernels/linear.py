@@ -2,7 +2,7 @@
 
 The model runner calls :func:`pack_linears` once, after loading, when the CPU kernels are in
 use. Each float32 ``nn.Linear`` becomes a :class:`PackedLinear` holding its weight as
-``[ceil(out / 16), in, 16]`` panels (see ``cpu_kernels.cpp``); transformers' modelling code is
+``[ceil(out / 16), in, 16]`` panels (see ``packed_linear.cpp``); transformers' modelling code is
 unchanged and calls it as it called the linear. A weight shared with another module (a tied LM
 head) keeps its original tensor as well, so the embedding still reads it.
 """

@@ -1,6 +1,6 @@
 """Shape functions of Strait's CPU kernels as dispatcher ops (``torch.ops.strait.*``).
 
-``cpu_kernels.cpp`` registers ``strait::packed_linear`` and ``strait::paged_attention`` with
+``bindings.cpp`` registers ``strait::packed_linear`` and ``strait::paged_attention`` with
 torch's dispatcher (``TORCH_LIBRARY``) beside its pybind11 functions. ``torch.compile`` cannot
 trace into C++; with the "fake" kernels below it knows each op's output shape and keeps the op
 as an opaque node, fusing only transformers' small ops around it. :func:`register_fakes` runs

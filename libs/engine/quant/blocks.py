@@ -23,7 +23,7 @@ import torch
 
 from libs.engine.quant.base import Bf16Linear, WeightOnlyLinear
 
-PANEL = 16  # output columns per panel (cpu_kernels.cpp kNR)
+PANEL = 16  # output columns per panel (kernels/kernels.h kNR)
 PANELS_PER_GROUP = 4  # panels interleaved chunk by chunk (kPanelsPerGroup)
 GROUP_ROWS = PANEL * PANELS_PER_GROUP
 TINYGEMM_K = 256  # input features per tinygemm K tile at innerKTiles 8 (CUDA int4)
@@ -59,7 +59,7 @@ def fp16_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (``cpu_kernels.cpp``, "block-quantized linear"): panels of 16 rows,
+    """The kernel's layout (``kernels/block_layout.h``): panels of 16 rows,
     four panels to a group interleaved chunk by chunk; levels uint8 ``[G, K / 8, 4, 16, 4]``
     (4 bits: byte ``(c, s, j, t)`` = ``q[r, 8c + t] | q[r, 8c + 4 + t] << 4`` of row ``r = 16
     (4g + s) + j``) or ``[G, K / 4, 4, 16, 4]`` (8 bits: ``q[r, 4c + t] + 128``); scales and

@@ -344,3 +344,48 @@ def test_rows_sharing_a_block_table_get_the_bits_of_attending_alone(k, h: int, h
     g = h // hkv
     own = [c.repeat_interleave(g, dim=0).contiguous() for c in (k_cache, v_cache)]
     assert torch.equal(k.paged_row_attention(q, *own, tables, lens, d**-0.5), together)
+
+
+def test_every_kernel_file_is_compiled_or_hashed_and_every_include_is_hashed() -> None:
+    """The loader compiles SOURCES and names the build by the hash of SOURCES and HEADERS: a
+    .cpp left out would not be linked, a header left out would let an edit reuse a stale
+    build."""
+    here = kernels.HERE
+    assert {p.name for p in here.glob("*.cpp")} == {p.name for p in kernels.SOURCES}
+    assert {p.name for p in here.glob("*.h")} == {p.name for p in kernels.HEADERS}
+    included = {
+        line.split('"')[1]
+        for path in (*kernels.SOURCES, *kernels.HEADERS)
+        for line in path.read_text().splitlines()
+        if line.startswith('#include "')
+    }
+    assert included == {p.name for p in kernels.HEADERS}
+
+
+def test_the_build_name_changes_with_any_source_or_header(monkeypatch, tmp_path) -> None:
+    """Two checkouts (or an edited one) share torch's extensions cache: each set of sources
+    gets a build directory of its own, whichever file differs."""
+    for path in (*kernels.SOURCES, *kernels.HEADERS):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(kernels, "SOURCES", tuple(tmp_path / p.name for p in kernels.SOURCES))
+    monkeypatch.setattr(kernels, "HEADERS", tuple(tmp_path / p.name for p in kernels.HEADERS))
+    original = kernels.source_tag()
+    for path in (*kernels.SOURCES, *kernels.HEADERS):
+        text = path.read_bytes()
+        path.write_bytes(text + b"// edited\n")
+        assert kernels.source_tag() != original, path.name
+        path.write_bytes(text)
+    assert kernels.source_tag() == original
+
+
+def test_the_wheel_ships_every_kernel_file() -> None:
+    """Workers compile the kernels from the installed package: pyproject's package-data must
+    match every source and header."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).parents[3] / "pyproject.toml"
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["*"]
+    for path in (*kernels.SOURCES, *kernels.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, pat) for pat in patterns), path.name
