@@ -95,16 +95,20 @@ def build(variant: str = "native") -> Any:
             return _loaded[variant]
         from torch.utils.cpp_extension import load as load_extension
 
+        from libs.engine.kernels.build_lock import build_directory, exclusive_build
+
         flags, suffix = VARIANTS[variant]
-        module = load_extension(
-            name=f"strait_cpu_kernels_{cpu_tag()}_{source_tag()}{suffix}",
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
-            # libgomp resolves to the copy torch has already loaded (same soname), so the
-            # kernels share torch's OpenMP thread pool instead of starting a second one.
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"strait_cpu_kernels_{cpu_tag()}_{source_tag()}{suffix}"
+        with exclusive_build(build_directory(name)):
+            module = load_extension(
+                name=name,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+                # libgomp resolves to the copy torch has already loaded (same soname), so the
+                # kernels share torch's OpenMP thread pool instead of starting a second one.
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         if variant == "native":
             from libs.engine.kernels.ops import register_fakes
 
