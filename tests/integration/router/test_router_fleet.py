@@ -8,12 +8,12 @@ from collections import Counter
 
 import pytest
 
+from bench.support.fleet import InProcessFleet
 from libs.fake_engine import FakeBackend
 from libs.protocol import ErrorMessage, Finished, GenerateRequest, Routed, SamplingParams
 from libs.settings import FakeEngineSettings, Settings
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
-from tests.support.fleet import InProcessFleet
 
 pytestmark = pytest.mark.integration
 
