@@ -53,9 +53,9 @@ async def streams(base: str, key: str, n: int, seconds: float, max_tokens: int) 
 async def measure(args: argparse.Namespace, tmp: Path, nats_url: str) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
+    from bench.support.fleet import GatewayFleet
+    from bench.support.services import isolated_settings
     from libs.db.keys import ensure_dev_key
-    from tests.integration.gateway.conftest import GatewayFleet
-    from tests.support.services import isolated_settings
 
     s = isolated_settings(tmp, nats_url)
     s.pools[0].model, s.pools[0].backend = "fake-model", "fake"
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-token-s", type=float, default=0.01, help="the FAKE worker's step")
     p.add_argument("--batch-inflight", type=int, default=16, help="batch.max_inflight")
     args = p.parse_args(argv)
-    from tests.support.services import nats_server
+    from bench.support.services import nats_server
 
     with tempfile.TemporaryDirectory() as d, nats_server(Path(d)) as url:
         r = asyncio.run(measure(args, Path(d), url))

@@ -8,7 +8,7 @@ Each scenario starts a fleet of its own: a JetStream nats-server on a free port 
 three aggregated workers on the FAKE engine (``libs/fake_engine.py``: no model, deterministic
 pseudo-words, ``per_token_s`` seconds a token; a load test of routing and streaming, never of a
 model), and a gateway, each a separate OS process (``python -m services.cli <role>``, through
-``tests/support/procs.ProcessFleet``) with its own log file; SQLite ledger, auth off.
+``bench/support/procs.ProcessFleet``) with its own log file; SQLite ledger, auth off.
 
 The load keeps ``--streams`` requests open: each slot sends a request, reads its stream to the
 end, and sends the next one. Three slots in four go through the gateway (``POST
@@ -90,9 +90,9 @@ from typing import Any
 import httpx
 
 from bench.gateway_load import UNBOUNDED, UNBOUNDED_GATEWAY
+from bench.support.procs import ProcessFleet
+from bench.support.services import free_port, nats_binary, wait_port
 from libs.nats_util import server_urls
-from tests.support.procs import ProcessFleet
-from tests.support.services import free_port, nats_binary, wait_port
 
 MODEL = "fake-model"
 ROUTE_RETRY = "Error trying to connect to route"
@@ -115,7 +115,7 @@ SCENARIOS = [
 PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
 PG_CATCHUP_S = 60.0  # postgres-outage: bound on the wait for the ledger to catch up after
 # The disaggregated scenarios (kill-decode, kill-prefill, kill-cache): the REAL engine on a tiny
-# random-weight model (tests.unit.engine.helpers.save_tiny_model_dir), greedy requests, every
+# random-weight model (bench.support.tiny_models.save_tiny_model_dir), greedy requests, every
 # request one of these prompts (their uninterrupted answers are fetched before the load).
 TINY_MODEL = "tiny"
 DISAGG_PROMPTS = [f"Write a haiku about the number {k}." for k in range(6)]
@@ -1620,7 +1620,7 @@ def disagg_fleet(tmp: Path, prefill_workers: int) -> dict[str, Any]:
     random-weight model saved under ``tmp/models``, ``prefill_workers`` prefill workers
     (``prefill``, ``prefill1``, ...: p0, p1, ...), two decode workers (``worker0``/w0,
     ``worker1``/w1), the prefix-cache service (``cache``), router and gateway."""
-    from tests.unit.engine.helpers import save_tiny_model_dir
+    from bench.support.tiny_models import save_tiny_model_dir
 
     models = tmp / "models"
     if not (models / TINY_MODEL / "config.json").exists():

@@ -5,7 +5,7 @@
 Starts its own JetStream nats-server (free port), a router, ``--workers`` FAKE-engine workers
 (``libs/fake_engine.py``, ``per_token_s = 0``, ``per_prompt_token_s = 0``: no model, the workers
 publish token frames as fast as they can) and G gateways, each a separate OS process
-(``python -m services.cli <role>``, as ``tests/support/procs.ProcessFleet`` runs them). Auth, rate
+(``python -m services.cli <role>``, as ``bench/support/procs.ProcessFleet`` runs them). Auth, rate
 limits, the ledger and the response cache are off; every capacity bound is far above the load;
 ``gateway.open_metrics`` is on. Two gateways are stateless replicas on two ports of this
 machine; the client spreads its streams over them round-robin (no load balancer).
@@ -531,8 +531,8 @@ def start_fleet(tmp: Path, nats_url: str, args: argparse.Namespace, gateways: in
     """A ProcessFleet (router, workers, first gateway) plus gateways 2..G on ports of their own."""
     import httpx
 
-    from tests.support.procs import ProcessFleet
-    from tests.support.services import free_port
+    from bench.support.procs import ProcessFleet
+    from bench.support.services import free_port
 
     fleet = ProcessFleet(
         tmp, nats_url, config_toml(args), workers=[{} for _ in range(args.workers)]
@@ -817,7 +817,7 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tests.support.services import nats_server
+    from bench.support.services import nats_server
 
     raise_nofile()  # inherited by every process started below
     rows: list[dict[str, Any]] = []

@@ -96,7 +96,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.tiny:
-        from tests.unit.engine.helpers import tiny_config
+        from bench.support.tiny_models import tiny_config
 
         config = tiny_config("llama", vocab_size=512)
     else:

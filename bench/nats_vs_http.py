@@ -22,12 +22,12 @@ from typing import Any
 
 import httpx
 
+from bench.support.fleet import InProcessFleet
+from bench.support.services import nats_server
 from examples import batch_submit
 from libs.client import StraitClient
 from libs.fake_engine import FakeBackend
 from libs.settings import Settings
-from tests.support.fleet import InProcessFleet
-from tests.support.services import nats_server
 
 
 def fleet_settings(tmp: Path, url: str, per_token_s: float) -> Settings:
@@ -99,7 +99,7 @@ async def bench(args: argparse.Namespace) -> None:
                     max_tokens=args.max_tokens, model="default", progress=False,
                 )  # fmt: skip
             http_ok, http_s = await http_batch(base, items, args.concurrency, args.max_tokens)
-            for ctx in fleet._ctxs:  # see tests/integration/client/fleet_util.py
+            for ctx in fleet._ctxs:  # see bench.support.fleet.running_fleet
                 ctx.stopping.set()
             await asyncio.wait(fleet._tasks, timeout=1.0)
             for t in fleet._tasks:

@@ -4,7 +4,7 @@ For every format given (``--formats``; each ``quantization`` with optional ``+fi
 engine settings, e.g. ``gguf+quant_activations=float32``, ``none+dtype=bfloat16``), on one
 model, against ``none`` (the float32 weights of the same model, i.e. the converted GGUF):
 
-- **perplexity** over a fixed text (``tests/data/quality.txt`` by default), in non-overlapping
+- **perplexity** over a fixed text (``bench/data/quality.txt`` by default), in non-overlapping
   windows of ``--window`` tokens, one forward each (transformers' SDPA attention, the format's
   linears);
 - **greedy agreement**: ``--prompts`` distinct chat prompts arriving staggered (one every other
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quality.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "quality.txt"
 KV_CACHE_BYTES = 512 * 2**20  # room for every prompt and answer at once (SmolLM2: ~180 MB)
 DEFAULT_FORMATS = (
     "none,gguf,gguf+quant_activations=float32,int8,int4,none+dtype=bfloat16,"

@@ -19,9 +19,9 @@ from pathlib import Path
 async def measure(n: int, tmp: Path, nats_url: str) -> dict[str, float]:
     from openai import AsyncOpenAI
 
+    from bench.support.fleet import GatewayFleet
+    from bench.support.services import isolated_settings
     from libs.db.keys import ensure_dev_key
-    from tests.integration.gateway.conftest import GatewayFleet
-    from tests.support.services import isolated_settings
 
     s = isolated_settings(tmp, nats_url)
     s.pools[0].model, s.pools[0].backend = "fake-model", "fake"
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.responses_overhead", description=__doc__)
     p.add_argument("--requests", type=int, default=100)
     args = p.parse_args(argv)
-    from tests.support.services import nats_server
+    from bench.support.services import nats_server
 
     with tempfile.TemporaryDirectory() as d, nats_server(Path(d)) as url:
         p50 = asyncio.run(measure(args.requests, Path(d), url))

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.support.services import free_port
+from bench.support.services import free_port
 
 PER_TOKEN_S = 0.05
 MAX_TOKENS = 160

@@ -78,7 +78,8 @@ def build(
     # Each document's blocks live on ~10% of the workers (as the workers' KV events say).
     for d, doc in enumerate(docs):
         probe = GenerateRequest(request_id=f"doc{d}", messages=[ChatMessage("system", doc)])
-        hashes, _ = router.prefix(probe, pool, model, BLOCK_SIZE)
+        # The beats above carry no model_id, so ``decide`` hashes under the model name.
+        hashes, _ = router.prefix(probe, pool, model, model, BLOCK_SIZE)
         for w in rng.sample(range(n_workers), max(n_workers // 10, 1)):
             registry.on_kv_event(KvEvent(worker_id=f"{pool}-{w}", model=model, stored=hashes))
     return router

@@ -5,7 +5,7 @@ fast a revocation takes effect.
 
 In this process: a router and one FAKE worker (``per_token_s`` 0: no model) first on a plain
 JetStream nats-server, then on a secured one (accounts from ``strait teams``, TLS from the dev
-CA; tests/support/secure.py); a ``StraitClient`` sends ``--requests`` requests of 16 tokens one
+CA; bench/support/secure.py); a ``StraitClient`` sends ``--requests`` requests of 16 tokens one
 after another (10 warm-up first) and prints their latency p50 / p99 — as the fleet (embedded) and
 as a team (secured). Then it does what ``strait teams add`` does for a new team on the running
 server (its requests stream, the staged and the full reload, each confirmed) and prints how long
@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.support.fleet import running_fleet
+from bench.support.secure import secure_nats
+from bench.support.services import isolated_settings, nats_binary, nats_server
 from libs.client import StraitClient
 from libs.settings import Settings
-from tests.integration.client.fleet_util import running_fleet
-from tests.support.secure import secure_nats
-from tests.support.services import isolated_settings, nats_binary, nats_server
 
 TOKENS = 16
 WARMUP = 10

@@ -13,12 +13,18 @@ strait models prepare|convert|list
 strait bench serve|engine|quality|structured
 strait drain WORKER_ID       drain one worker over NATS (as SIGTERM does), then it exits
 strait schemas               write the wire protocol's JSON schemas to docs/schemas/
+
+``strait bench NAME`` imports ``bench.NAME`` only when it runs (``BENCHES``): the product
+commands never load the benchmarks, whose dependencies are an extra (``strait[bench]``), and the
+dependency points from ``bench/`` to ``libs``/``services``, never back. The bench modules stay
+runnable on their own (``python -m bench.NAME``); this subcommand is a shortcut to four of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -29,6 +35,13 @@ from libs.settings import Settings, get_settings
 
 SERVICES = ("gateway", "router", "worker", "prefill", "decode", "cache", "planner")
 WORKER_ROLES = ("aggregated", "prefill", "decode")
+# `strait bench NAME`: the module whose `main(argv) -> int` it runs, imported then (see above).
+BENCHES = {
+    "serve": "bench.serve",
+    "engine": "bench.engine",
+    "quality": "bench.quality",
+    "structured": "bench.structured",
+}
 # Seconds `strait teams` waits to tell the running fleet of a change.
 ANNOUNCE_TIMEOUT_S = 5.0
 
@@ -98,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     mf.add_argument("name", nargs="?", default=None, help="model (default: the first pool's)")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("which", choices=["serve", "engine", "quality", "structured"])
+    bench.add_argument("which", choices=list(BENCHES))
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     dr = sub.add_parser(
@@ -292,21 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "models":
         return _models(args)
     if args.cmd == "bench":
-        if args.which == "serve":
-            from bench.serve import main as serve_main
-
-            return serve_main(args.args)
-        if args.which == "quality":
-            from bench.quality import main as quality_main
-
-            return quality_main(args.args)
-        if args.which == "structured":
-            from bench.structured import main as structured_main
-
-            return structured_main(args.args)
-        from bench.engine import main as engine_main
-
-        return engine_main(args.args)
+        return int(importlib.import_module(BENCHES[args.which]).main(args.args))
     if args.cmd == "schemas":
         return _schemas(args.out)
     return 2

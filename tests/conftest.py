@@ -1,15 +1,37 @@
-"""Shared fixtures: real NATS and PostgreSQL, settings isolated per test."""
+"""Shared fixtures: real NATS and PostgreSQL, settings isolated per test; a service the harness
+(``bench.support``) finds missing skips the test, or fails it with ``CI=true``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.support.services import Unavailable, isolated_settings, nats_server
 from libs.settings import Settings
-from tests.support.services import isolated_settings, missing, nats_server
+from tests.support.services import missing
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    """A fixture's missing service (``Unavailable``) is the suite's ``missing``."""
+    try:
+        return (yield)
+    except Unavailable as e:
+        missing(str(e))
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """A test body's missing service (``Unavailable``) is the suite's ``missing``."""
+    try:
+        return (yield)
+    except Unavailable as e:
+        missing(str(e))
+        raise
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from bench.support.procs import ProcessFleet
 from tests.e2e.conftest import REAL_FLEET
-from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

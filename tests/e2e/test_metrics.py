@@ -8,8 +8,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import ProcessFleet
-from tests.support.services import free_port
+from bench.support.procs import ProcessFleet
+from bench.support.services import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 import torch
 
+from bench.support.procs import ProcessFleet
 from libs.client import StraitClient
 from libs.protocol import StreamOwner, Subjects
 from tests.e2e.conftest import REAL_FLEET
-from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

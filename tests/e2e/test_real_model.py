@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from bench.support.procs import ProcessFleet
 from tests.e2e.conftest import REAL_FLEET
-from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.support.procs import ProcessFleet
+from bench.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

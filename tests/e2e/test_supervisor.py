@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.services import free_port
+from bench.support.services import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.support.procs import ProcessFleet
 from tests.support.otlp import OtlpReceiver
-from tests.support.procs import ProcessFleet
 
 pytestmark = pytest.mark.e2e
 

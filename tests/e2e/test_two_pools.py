@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.support.procs import ProcessFleet
 from libs.settings import Settings
-from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -20,9 +20,9 @@ import psutil
 import pytest
 import torch
 
+from bench.support.services import free_port
 from libs.client import StraitClient
 from tests.e2e.test_supervisor import NO_FIXED_PORTS
-from tests.support.services import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import pytest
 
+from bench.support.fleet import InProcessFleet
 from libs.protocol import (
     DeadLetter,
     ErrorMessage,
@@ -18,7 +19,6 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import Settings
-from tests.support.fleet import InProcessFleet
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bench.support.services import free_port, unique_prefix
 from libs.client import StraitClient
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
-from tests.support.services import free_port, unique_prefix
 
 pytestmark = pytest.mark.integration
 

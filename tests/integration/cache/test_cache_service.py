@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
+from bench.support.services import nats_server
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
 from libs.kv_cache_client import CacheClient
@@ -38,7 +39,6 @@ from services.cache.service import CacheService
 from services.cache.store import BlockKey
 from tests.integration.cache.conftest import BLOCK, poll
 from tests.support.kv_blocks import random_blocks, same_bits
-from tests.support.services import nats_server
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from bench.support.fleet import InProcessFleet, running_fleet
+from bench.support.secure import secure_nats, team_options
 from libs.client import StraitClient
 from libs.settings import Settings
-from tests.integration.client.fleet_util import running_fleet
-from tests.support.fleet import InProcessFleet
-from tests.support.secure import secure_nats, team_options
 
 TEAM = "team-test"
 

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
+from bench.support.fleet import InProcessFleet, running_fleet
 from libs.client import StraitClient, Timeout
 from libs.settings import Settings
-from tests.integration.client.fleet_util import running_fleet
-from tests.support.fleet import InProcessFleet
 
 # Each test runs against the embedded server and, as a team, a secured one (conftest).
 pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]

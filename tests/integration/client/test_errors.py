@@ -9,6 +9,7 @@ from typing import get_args
 
 import pytest
 
+from bench.support.fleet import InProcessFleet, running_fleet
 from libs.client import (
     ERROR_CLASSES,
     ContextLengthExceeded,
@@ -27,8 +28,6 @@ from libs.client import (
 from libs.nats_util import provision
 from libs.protocol import ErrorCode, ErrorMessage, Subjects, encode
 from libs.settings import Settings
-from tests.integration.client.fleet_util import running_fleet
-from tests.support.fleet import InProcessFleet
 
 # Each fleet/client test runs against the embedded server and, as a team, a secured one.
 pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]

@@ -10,7 +10,7 @@ import uuid
 import nats
 import pytest
 
-from tests.support.fleet import InProcessFleet
+from bench.support.fleet import InProcessFleet
 
 # Each test runs against the embedded server and, as a team, a secured one (conftest).
 pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]

@@ -14,6 +14,8 @@ import nats
 import pytest
 import torch
 
+from bench.support.fleet import InProcessFleet, WorkerHandle
+from bench.support.tiny_models import save_tiny_model_dir
 from libs.client import StraitClient
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.engine.hashing import chain_hashes
@@ -40,8 +42,7 @@ from libs.protocol import (
 from libs.settings import EngineSettings, PoolSettings, Settings
 from services.cache.service import CacheService
 from services.worker import metrics
-from tests.support.fleet import InProcessFleet, WorkerHandle
-from tests.unit.engine.helpers import reference_greedy, save_tiny_model_dir
+from tests.unit.engine.helpers import reference_greedy
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,6 @@
-"""Fixtures of the gateway tests: an in-process fleet that stops fast, settings for FAKE
-workers, and the database each test runs on (SQLite, and PostgreSQL in its own schema)."""
+"""Fixtures of the gateway tests: settings for FAKE workers and the database each test runs on
+(SQLite, and PostgreSQL in its own schema). The fleet that stops fast is
+``bench.support.fleet.GatewayFleet``."""
 
 from __future__ import annotations
 
@@ -16,32 +17,6 @@ from libs.db import Database
 from libs.db.keys import create_key
 from libs.db.models import RequestRow
 from libs.settings import Settings
-from tests.support.fleet import InProcessFleet
-
-# Seconds the fleet gets to stop before its tasks are cancelled. NOTE: the router's final
-# nc.drain() waits on its pull subscription forever (nats-py), which would cost every test the
-# full 10 s of InProcessFleet's own teardown.
-STOP_GRACE_S = 1.0
-
-
-class GatewayFleet(InProcessFleet):
-    async def __aexit__(self, *exc: object) -> None:
-        for server in self._servers:
-            server.should_exit = True
-        for w in self.workers:
-            try:
-                if not w.nc.is_closed:
-                    await asyncio.wait_for(w.stop(), STOP_GRACE_S * 2)
-            except Exception:
-                pass
-        for ctx in self._ctxs:
-            ctx.stopping.set()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
 
 
 @pytest.fixture

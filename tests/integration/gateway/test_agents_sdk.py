@@ -14,9 +14,9 @@ import agents
 import pytest
 from openai import AsyncOpenAI
 
+from bench.support.fleet import GatewayFleet
 from libs.db.keys import ensure_dev_key
 from libs.settings import Settings
-from tests.integration.gateway.conftest import GatewayFleet
 
 pytestmark = pytest.mark.integration
 

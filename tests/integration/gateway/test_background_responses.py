@@ -10,9 +10,10 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bench.support.fleet import GatewayFleet
 from libs.db.keys import ensure_dev_key
 from libs.settings import Settings
-from tests.integration.gateway.conftest import GatewayFleet, eventually, ledger_rows
+from tests.integration.gateway.conftest import eventually, ledger_rows
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,12 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bench.support.fleet import GatewayFleet
 from libs.db.batches import BatchStore
 from libs.db.keys import ensure_dev_key
 from libs.settings import Settings
 from services.gateway.batch_runner import BatchRunner
-from tests.integration.gateway.conftest import GatewayFleet, eventually, ledger_rows, new_key
+from tests.integration.gateway.conftest import eventually, ledger_rows, new_key
 
 pytestmark = pytest.mark.integration
 

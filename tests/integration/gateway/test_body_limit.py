@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from bench.support.fleet import GatewayFleet
 from libs.settings import Settings
-from tests.integration.gateway.conftest import GatewayFleet
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +122,7 @@ async def test_oversized_bodies_get_413_before_they_are_parsed(gw_settings: Sett
 async def test_a_request_over_nats_max_payload_is_a_413(gw_settings: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A body the gateway accepts but the fleet's NATS cannot carry: the sender's 413, not a
     503 that tells clients to retry (found by bench/hostile.py)."""
-    from tests.support.services import nats_server
+    from bench.support.services import nats_server
 
     gw_settings.gateway.auth_enabled = False
     gw_settings.gateway.max_body_bytes = LIMIT

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.support.fleet import GatewayFleet
 from libs.settings import Settings
-from tests.integration.gateway.conftest import GatewayFleet, new_key
+from tests.integration.gateway.conftest import new_key
 
 pytestmark = pytest.mark.integration
 

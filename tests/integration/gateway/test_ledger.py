@@ -9,6 +9,8 @@ import httpx
 import nats
 import pytest
 
+from bench.support.fleet import GatewayFleet
+from bench.support.services import free_port
 from libs.db import Database
 from libs.db.keys import revoke_key
 from libs.db.ledger import LedgerWriter
@@ -16,8 +18,7 @@ from libs.db.models import RequestRow
 from libs.protocol import Subjects, UsageEvent, encode
 from libs.security.teams import TeamStore
 from libs.settings import Settings
-from tests.integration.gateway.conftest import GatewayFleet, eventually, ledger_rows, new_key
-from tests.support.services import free_port
+from tests.integration.gateway.conftest import eventually, ledger_rows, new_key
 
 pytestmark = pytest.mark.integration
 

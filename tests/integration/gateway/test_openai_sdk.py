@@ -7,9 +7,10 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
+from bench.support.fleet import GatewayFleet
 from libs.db.keys import ensure_dev_key
 from libs.settings import PoolSettings, Settings
-from tests.integration.gateway.conftest import GatewayFleet, new_key
+from tests.integration.gateway.conftest import new_key
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,10 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
+from bench.support.fleet import GatewayFleet
 from libs.protocol import GenerateRequest, Subjects
 from libs.settings import Settings
 from services.gateway.fleet import Fleet
-from tests.integration.gateway.conftest import GatewayFleet
 
 pytestmark = pytest.mark.integration
 

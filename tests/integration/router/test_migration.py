@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from bench.support.fleet import InProcessFleet, WorkerHandle
 from libs.fake_engine import FakeBackend
 from libs.protocol import (
     CancelRequest,
@@ -25,7 +26,6 @@ from libs.settings import FakeEngineSettings, Settings
 from libs.stream_reader import StreamReader
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
-from tests.support.fleet import InProcessFleet, WorkerHandle
 
 pytestmark = pytest.mark.integration
 

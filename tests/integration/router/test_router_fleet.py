@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from bench.support.fleet import InProcessFleet
 from libs.fake_engine import FakeBackend
 from libs.protocol import (
     ErrorMessage,
@@ -22,7 +23,6 @@ from libs.protocol import (
 from libs.settings import FakeEngineSettings, Settings
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
-from tests.support.fleet import InProcessFleet
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.procs import ProcessFleet
 from libs.client import StraitClient
-from tests.support.procs import ProcessFleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.fleet import InProcessFleet, running_fleet
+from bench.support.secure import secure_nats
+from bench.support.services import isolated_settings
 from libs.client import StraitClient
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
 from libs.nats_util import connect
 from libs.security.fleet import SecureFleet
 from libs.settings import Settings
-from tests.integration.client.fleet_util import running_fleet
 from tests.integration.gateway.conftest import _pg_schema as pg_schema
-from tests.support.fleet import InProcessFleet
-from tests.support.secure import secure_nats
-from tests.support.services import isolated_settings
 
 
 @dataclass

@@ -13,12 +13,12 @@ import nats
 import pytest
 from sqlalchemy import select
 
+from bench.support.services import nats_binary
 from libs.client import StraitClient
 from libs.db.models import RequestRow
 from libs.protocol import ResendRequest, encode
 from tests.integration.security.conftest import SecuredFleet
 from tests.integration.security.test_teams import eventually
-from tests.support.services import nats_binary
 
 pytestmark = pytest.mark.integration
 

@@ -219,7 +219,7 @@ async def _closed(client: object) -> bool:
 
 
 def _binary() -> str:
-    from tests.support.services import nats_binary
+    from bench.support.services import nats_binary
 
     b = nats_binary()
     assert b is not None

@@ -13,18 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from bench.support.tiny_models import TINY_VOCAB, tiny_model
 from libs.engine import aot
 from libs.engine.engine import LLMEngine
 from libs.protocol import SamplingParams
 from libs.settings import SpeculativeSettings
-from tests.unit.engine.helpers import (
-    TINY_VOCAB,
-    Submission,
-    engine_settings,
-    reference_greedy,
-    run_engine,
-    tiny_model,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 
 pytestmark = pytest.mark.unit
 

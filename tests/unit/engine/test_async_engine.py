@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.tiny_models import save_tiny_model_dir
 from libs.backend import Backend, BackendError
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.protocol import ChatMessage, SamplingParams
 from libs.settings import EngineSettings
-from tests.unit.engine.helpers import save_tiny_model_dir
 
 pytestmark = pytest.mark.unit
 

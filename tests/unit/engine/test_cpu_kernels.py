@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.support.tiny_models import tiny_model
 from libs.engine import kernels
 from libs.engine.kernels.linear import PackedLinear, pack_linears
-from tests.unit.engine.helpers import tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from bench.support.tiny_models import tiny_model
 from libs.engine import triton_attention
 from libs.engine.attention import decode_rows
 from libs.engine.cuda_graphs import batch_bucket, eager_capture, width_bucket
@@ -17,13 +18,7 @@ from libs.engine.engine import LLMEngine
 from libs.engine.sampler import Sampler, SamplingRow, device_greedy
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings
-from tests.unit.engine.helpers import (
-    Submission,
-    engine_settings,
-    reference_greedy,
-    run_engine,
-    tiny_model,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 from tests.unit.engine.test_invariance import prompts
 
 pytestmark = pytest.mark.unit

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from bench.support.tiny_models import tiny_tokenizer
 from libs.engine.detokenizer import IncrementalDetokenizer
-from tests.unit.engine.helpers import tiny_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from bench.support.tiny_models import tiny_model
 from libs.engine import fuse, kernels, quant
 from libs.engine.engine import LLMEngine
 from libs.engine.quant.int4 import int4_blocks
 from libs.protocol import SamplingParams
-from tests.unit.engine.helpers import Submission, engine_settings, run_engine, tiny_model
+from tests.unit.engine.helpers import Submission, engine_settings, run_engine
 
 pytestmark = pytest.mark.unit
 

@@ -9,16 +9,10 @@ import random
 import pytest
 import torch
 
+from bench.support.tiny_models import TINY_VOCAB, tiny_model
 from libs.engine.engine import LLMEngine
 from libs.protocol import SamplingParams
-from tests.unit.engine.helpers import (
-    TINY_VOCAB,
-    Submission,
-    engine_settings,
-    reference_greedy,
-    run_engine,
-    tiny_model,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 
 pytestmark = pytest.mark.unit
 

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import torch
 
+from bench.support.tiny_models import tiny_model, tiny_tokenizer
 from libs.backend import BackendError
 from libs.engine import kv_transfer
 from libs.engine.engine import LLMEngine, Resume
@@ -19,8 +20,6 @@ from tests.unit.engine.helpers import (
     engine_settings,
     reference_greedy,
     run_engine,
-    tiny_model,
-    tiny_tokenizer,
 )
 
 pytestmark = pytest.mark.unit

@@ -8,17 +8,11 @@ from typing import Any
 
 import pytest
 
+from bench.support.tiny_models import tiny_model, tiny_tokenizer
 from libs.engine.detokenizer import IncrementalDetokenizer
 from libs.engine.engine import LLMEngine, Resume
 from libs.protocol import SamplingParams
-from tests.unit.engine.helpers import (
-    Result,
-    Submission,
-    engine_settings,
-    run_engine,
-    tiny_model,
-    tiny_tokenizer,
-)
+from tests.unit.engine.helpers import Result, Submission, engine_settings, run_engine
 
 pytestmark = pytest.mark.unit
 

@@ -16,18 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from bench.support.tiny_models import tiny_model
 from libs.engine import quant
 from libs.engine.engine import LLMEngine
 from libs.engine.quant.gguf import DECODED, EXACT, decode_blocks, gguf_tensor_name
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings, Settings, model_identity
-from tests.unit.engine.helpers import (
-    Submission,
-    engine_settings,
-    reference_greedy,
-    run_engine,
-    tiny_model,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 from tests.unit.engine.test_invariance import prompts
 
 pytestmark = pytest.mark.unit

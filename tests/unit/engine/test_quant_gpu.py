@@ -7,17 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.support.tiny_models import tiny_model
 from libs.engine import quant
 from libs.engine.engine import LLMEngine
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings
-from tests.unit.engine.helpers import (
-    Submission,
-    engine_settings,
-    reference_greedy,
-    run_engine,
-    tiny_model,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,11 +10,12 @@ import json
 import jsonschema
 import pytest
 
+from bench.support.tiny_models import tiny_tokenizer
 from libs.engine.structured import Grammars
 from libs.json_schema import for_grammar
 from libs.protocol import SamplingParams, StructuredOutput
 from libs.settings import StructuredSettings
-from tests.unit.engine.helpers import Submission, run_engine, tiny_tokenizer
+from tests.unit.engine.helpers import Submission, run_engine
 from tests.unit.engine.test_structured import make_engine, prompts
 
 pytestmark = pytest.mark.unit

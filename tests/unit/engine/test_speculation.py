@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+from bench.support.tiny_models import TINY_VOCAB, tiny_model, tiny_tokenizer
 from libs.engine.engine import LLMEngine
 from libs.engine.sequence import Sequence
 from libs.engine.spec import NgramProposer, Speculator, SuffixProposer
@@ -27,15 +28,12 @@ from libs.engine.spec.suffix import SuffixCache
 from libs.protocol import SamplingParams, StructuredOutput
 from libs.settings import SpeculativeSettings
 from tests.unit.engine.helpers import (
-    TINY_VOCAB,
     Result,
     Submission,
     engine_settings,
     kv_bytes,
     reference_greedy,
     run_engine,
-    tiny_model,
-    tiny_tokenizer,
 )
 
 pytestmark = pytest.mark.unit
@@ -471,7 +469,7 @@ def draft_model(kind: str) -> torch.nn.Module:
         return tiny_model("llama")
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.engine.helpers import tiny_config
+    from bench.support.tiny_models import tiny_config
 
     torch.manual_seed(9)
     config = tiny_config("llama")

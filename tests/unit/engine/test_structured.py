@@ -13,17 +13,12 @@ import jsonschema
 import pytest
 import torch
 
+from bench.support.tiny_models import tiny_model, tiny_tokenizer
 from libs.backend import BackendError, Resume
 from libs.engine.engine import LLMEngine
 from libs.protocol import SamplingParams, StructuredOutput, ToolFunction
 from libs.tools import ToolSpec, parse_tool_calls
-from tests.unit.engine.helpers import (
-    Submission,
-    engine_settings,
-    run_engine,
-    tiny_model,
-    tiny_tokenizer,
-)
+from tests.unit.engine.helpers import Submission, engine_settings, run_engine
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.tiny_models import save_tiny_model_dir
 from libs.engine import warm
 from libs.settings import EngineSettings, PoolSettings, Settings
-from tests.unit.engine.helpers import save_tiny_model_dir
 
 pytestmark = pytest.mark.unit
 

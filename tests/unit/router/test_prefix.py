@@ -102,7 +102,7 @@ def _raw_prompts(n: int) -> list[str]:
 
 
 def _tiny_tokenizer_dir(tmp_path: Path) -> Path:
-    from tests.unit.engine.helpers import tiny_tokenizer
+    from bench.support.tiny_models import tiny_tokenizer
 
     tiny_tokenizer().save_pretrained(tmp_path)
     return tmp_path

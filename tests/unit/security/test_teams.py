@@ -12,13 +12,13 @@ import msgspec
 import nkeys
 import pytest
 
+from bench.support.services import nats_binary
 from libs.protocol import GenerateRequest, SamplingParams, Subjects
 from libs.security.server_config import grants, render
 from libs.security.teams import TeamError, TeamStore
 from libs.security.tls import ensure_dev_tls
 from libs.settings import Settings
 from services.router.teams import TeamPolicy, TeamRefusal
-from tests.support.services import nats_binary
 
 pytestmark = pytest.mark.unit
 

@@ -1,23 +1,28 @@
-"""Fleet pieces run inside the test's event loop: router, workers (any backend), gateway.
+"""Fleet pieces run inside the caller's event loop (a test's or a bench's): router, workers (any
+backend), gateway.
 
 ``async with InProcessFleet(settings) as fleet:`` starts a router; ``await fleet.add_worker(...)``
 starts a worker on a backend and returns a handle whose ``stop()`` ends it (to simulate a worker
 dying: ``kill()`` stops its beats and subscriptions without draining). ``await fleet.gateway()``
-serves the HTTP app with uvicorn on a free port and returns its base URL.
+serves the HTTP app with uvicorn on a free port and returns its base URL. ``GatewayFleet`` is the
+same fleet stopping within seconds; ``running_fleet`` adds FAKE workers and stops fast too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 
+from bench.support.services import free_port, wait_port
 from libs.backend import Backend
 from libs.fake_engine import FakeBackend
-from libs.nats_util import connect
+from libs.nats_util import connect, provision
 from libs.runtime import ServiceContext
 from libs.settings import Settings
 from services.gateway.app import create_app
@@ -26,7 +31,6 @@ from services.router.router import Router
 from services.worker.aggregated import AggregatedWorker
 from services.worker.base import Worker
 from services.worker.decode import DecodeWorker
-from tests.support.services import free_port, wait_port
 
 
 @dataclass
@@ -69,7 +73,7 @@ class InProcessFleet:
     _servers: list[uvicorn.Server] = field(default_factory=list)
     # The FastAPI app of each gateway started here (its state: fleet, stores, batch runner).
     apps: list[Any] = field(default_factory=list)
-    # A secured fleet's team client (tests/support/secure.py): nats-py connect options and
+    # A secured fleet's team client (bench/support/secure.py): nats-py connect options and
     # the team's seed file; empty on the embedded server.
     client_options: dict[str, Any] = field(default_factory=dict)
     team_seed_file: str = ""
@@ -159,3 +163,61 @@ class InProcessFleet:
             await asyncio.wait(self._tasks, timeout=10)
         for t in self._tasks:
             t.cancel()
+
+
+# Seconds a GatewayFleet gets to stop before its tasks are cancelled. NOTE: the router's final
+# nc.drain() waits on its pull subscription forever (nats-py), which would cost every test the
+# full 10 s of InProcessFleet's own teardown.
+STOP_GRACE_S = 1.0
+
+
+class GatewayFleet(InProcessFleet):
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        for w in self.workers:
+            try:
+                if not w.nc.is_closed:
+                    await asyncio.wait_for(w.stop(), STOP_GRACE_S * 2)
+            except Exception:
+                pass
+        for ctx in self._ctxs:
+            ctx.stopping.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
+
+
+@asynccontextmanager
+async def running_fleet(
+    settings: Settings, workers: int = 1, router: bool = True, capacity: int = 64
+) -> AsyncIterator[InProcessFleet]:
+    """A router (optional) and ``workers`` FAKE workers ``w1``… in pool ``default``, stopping
+    fast (the client tests and bench.security)."""
+    async with InProcessFleet(settings, router=router) as f:
+        # The streams exist before the test publishes (the router provisions them too, later).
+        nc = await connect(settings.nats, "test-provision")
+        await provision(nc.jetstream(), settings.nats)
+        await nc.drain()
+        for i in range(1, workers + 1):
+            backend = FakeBackend(
+                settings.fake_engine.model_copy(), "fake-model", capacity=capacity
+            )
+            await f.add_worker(f"w{i}", backend=backend)
+        if workers:
+            await f.wait_workers(workers)
+        try:
+            yield f
+        finally:
+            # NOTE: the router's final `nc.drain()` sometimes waits on its pull subscription's
+            # queue until InProcessFleet's 10 s limit (a fetch in flight at shutdown). These
+            # callers do not test router shutdown: give it a second, then cancel.
+            for ctx in f._ctxs:
+                ctx.stopping.set()
+            if f._tasks:
+                await asyncio.wait(f._tasks, timeout=1.0)
+            for t in f._tasks:
+                t.cancel()

@@ -1,5 +1,5 @@
-"""A secured nats-server for tests: the accounts and TLS that ``strait up --secure`` makes
-(libs.security), on a free port, for the duration of a test."""
+"""A secured nats-server for tests and benches: the accounts and TLS that ``strait up --secure``
+makes (libs.security), on a free port, for the duration of a test or bench run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from bench.support.services import Unavailable, free_port, nats_binary, wait_port
 from libs.security.fleet import SecureFleet
 from libs.settings import Settings
-from tests.support.services import free_port, missing, nats_binary, wait_port
 
 
 @asynccontextmanager
@@ -23,8 +23,7 @@ async def secure_nats(
     ``settings.nats`` becomes the fleet's (TLS URL, CA, the fleet's nkey)."""
     binary = nats_binary()
     if binary is None:
-        missing("nats-server")
-    assert binary is not None
+        raise Unavailable("nats-server")
     settings.nats.url = f"tls://127.0.0.1:{free_port()}"
     settings.nats.monitor_port = free_port()
     sf = SecureFleet(settings)

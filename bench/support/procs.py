@@ -1,4 +1,4 @@
-"""The real fleet as separate processes (``strait <role>``), for end-to-end tests.
+"""The real fleet as separate processes (``strait <role>``), for end-to-end tests and benches.
 
 ``ProcessFleet(tmp, nats_url, config_toml, env)`` writes the config to a file, starts the router,
 the workers and the gateway as subprocesses with ``STRAIT_CONFIG`` pointing at it, and waits for
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.services import free_port
+from bench.support.services import free_port
 
 
 @dataclass
