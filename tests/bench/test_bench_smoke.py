@@ -9,6 +9,9 @@ Three kinds of run:
 - ``RUNS``: the bench itself, FAKE engine or tiny random model where the bench allows, the
   default pool's real model where it measures that model (skipped, or failed with ``CI=true``,
   when the model is not prepared: ``make models``);
+  The ``heavy`` ones (a minute or more each on 2 cores) run in full only with
+  ``STRAIT_BENCH_SMOKE=full``; the default suite parses their ``--help``, which keeps this
+  tier to a few minutes;
 - ``HELP_ONLY``: benches that need what this machine lacks (a GPU, a model server left running,
   or a run of minutes with no knob to shorten it): their imports and argument parsing
   (``--help``) only;
@@ -59,6 +62,9 @@ class Run:
     real_model: bool = False
     writes: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # A minute or more here even with its tiniest arguments: run in full only with
+    # STRAIT_BENCH_SMOKE=full, otherwise its imports and argument parsing (``--help``).
+    heavy: bool = False
 
 
 # The real-model benches compile nothing: a smoke run is not worth torch.compile's minutes.
@@ -87,6 +93,7 @@ RUNS = [
         "gpu_step",
         "--device cpu --tiny --streams 1 --prompt-tokens 8 --max-tokens 4 --kv-gib 1 --peer --out {tmp}/gpu.json",
         (r"copy bandwidth [\d.]+ GB/s", r"^\| variant \| 1 streams \|"),
+        heavy=True,
     ),
     Run(
         "serve",
@@ -97,6 +104,7 @@ RUNS = [
         "hostile",
         "--url {gateway} --requests 8 --concurrency 4 --max-huge-mb 1",
         (r"^hostile requests: 8 ", r"^PASS$"),
+        heavy=True,
     ),
     Run(
         "nats_vs_http",
@@ -121,13 +129,20 @@ RUNS = [
         "chaos",
         "--scenarios kill-worker --streams 2 --max-tokens 10 --per-token-s 0.01 --fault-at 0.5 --after 0.5 --nats-every 0",
         (r"\| kill-worker \| 2 \| \d+ \|",),
+        heavy=True,
     ),
     Run(
         "soak",
         "--minutes 0.05 --streams 2 --every 1",
         (r"^\| t \(s\) \|", r"^requests \d+, completed \d+, failed 0,"),
+        heavy=True,
     ),
-    Run("restarts", "--rounds 1", (r'"scenario": "kill-worker"', r'"scenario": "kill-router"')),
+    Run(
+        "restarts",
+        "--rounds 1",
+        (r'"scenario": "kill-worker"', r'"scenario": "kill-router"'),
+        heavy=True,
+    ),
     Run(
         "planner_timeline",
         "--calm-s 1 --wave-s 2 --after-s 1 --max-replicas 2 --tokens 4 --calm-rps 2 --wave-rps 4",
@@ -155,6 +170,7 @@ RUNS = [
         (r"perplexity [\d.]+", r"^wrote "),
         real_model=True,
         env=EAGER,
+        heavy=True,
     ),
     Run(
         "structured",
@@ -162,6 +178,7 @@ RUNS = [
         (r"^\| unconstrained \| [\d.]+ \|", r"^\| one JSON schema \|"),
         real_model=True,
         env=EAGER,
+        heavy=True,
     ),
     Run(
         "structured_cases",
@@ -267,6 +284,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_bench_runs_with_tiny_arguments(
     run: Run, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    if run.heavy and os.environ.get("STRAIT_BENCH_SMOKE") != "full":
+        done = run_bench(run.module, ["--help"], {})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "usage:" in done.stdout
+        return
     if run.real_model and not (Path(Settings().models.dir) / REAL_MODEL / "config.json").exists():
         missing(f"{REAL_MODEL} under models.dir (make models)")
     urls = {
