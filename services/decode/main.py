@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 from libs.backend import Backend
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
+from libs.models.engine_backend import engine_backend
 from libs.nats_util import connect
 from libs.protocol import AssignmentAck, DrainRequest, ProtocolError, decode, encode
 from libs.runtime import ServiceContext, run_service
@@ -42,7 +43,7 @@ def build_backend(settings: Settings) -> Backend:
         return FakeBackend(
             settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
         )
-    return AsyncEngineBackend.from_settings(settings, pool)
+    return engine_backend(settings, pool)
 
 
 async def serve(ctx: ServiceContext) -> None:

@@ -8,7 +8,7 @@ are fetched from and stored to the prefix-cache service.
 
 from __future__ import annotations
 
-from libs.engine.async_engine import AsyncEngineBackend
+from libs.models.engine_backend import engine_backend
 from libs.nats_util import connect
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
@@ -32,7 +32,7 @@ async def serve(ctx: ServiceContext) -> None:
         raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
     if pool.backend != "engine":
         raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
-    backend = AsyncEngineBackend.from_settings(settings, pool)
+    backend = engine_backend(settings, pool)
     await backend.start()
     nc = await connect(settings.nats, f"prefill-{pool.name}")
     worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.engine import warm
+from libs.models import warm
 from libs.settings import EngineSettings, PoolSettings, Settings
 from tests.unit.engine.helpers import save_tiny_model_dir
 
