@@ -5,7 +5,10 @@ module reaches itself through imports.
 Every ``import`` statement counts, at module level or inside a function: a function-local
 import only postpones a dependency, so a cycle through one is still a cycle of the design
 (``quant/blocks`` ↔ ``quant/int4`` was one). Imports under ``if TYPE_CHECKING:`` are left out:
-they never run and exist for annotations only.
+they never run and exist for annotations only. An import is an arrow to the module it names
+(or, for a name defined in a package, to the package), not to the packages above it: Python
+runs those ``__init__`` files too, but a package importing its own submodules is not a cycle
+of the design.
 """
 
 from __future__ import annotations
@@ -123,10 +126,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_known_edges() -> None:
     graph = import_graph()
-    # A module-level, a relative-free ``from`` and a function-local import are all edges.
-    assert "libs.engine.scheduler" in graph["libs.engine.engine"]
-    assert "libs.protocol" in graph["services.router.router"]
-    assert any(m.startswith("libs.engine") for m in graph["libs.protocol"])
+    assert "libs.engine.scheduler" in graph["libs.engine.engine"]  # module level
+    assert "libs.engine.params" in graph["libs.protocol"]  # the wire imports the engine
+    assert "libs.engine.engine" in graph["libs.models.warm"]  # inside warm's main()
+    assert "libs.protocol" not in graph["libs.tools"]  # only under TYPE_CHECKING
 
 
 def test_engine_imports_neither_protocol_nor_settings() -> None:
