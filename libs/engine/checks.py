@@ -69,7 +69,7 @@ def check_structured(structured: StructuredOutput | None) -> None:
     if sum(getattr(structured, kind) is not None for kind in STRUCTURED_KINDS) != 1:
         raise BackendError(
             "invalid_request",
-            "structured must set exactly one of " + ", ".join(STRUCTURED_KINDS),
+            "the structured output must set exactly one of " + ", ".join(STRUCTURED_KINDS),
             "structured",
         )
 
