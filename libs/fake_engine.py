@@ -18,8 +18,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
-from libs.protocol import ChatMessage, Priority, SamplingParams
+from libs.engine.checks import check_prompt
+from libs.engine.errors import BackendError
+from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
+from libs.engine.params import ChatMessage, Priority, SamplingParams
 from libs.settings import FakeEngineSettings
 from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec
 
@@ -103,7 +105,7 @@ class FakeBackend:
             raise BackendError(
                 "invalid_request",
                 "the fake engine enforces no grammar: structured outputs need a model pool",
-                "response_format",
+                "structured",
             )
         # A forced call: the answer is that call with empty arguments (whatever its schema),
         # carried as the prompt's "grammar" to ``generate``.
@@ -118,15 +120,8 @@ class FakeBackend:
         else:
             text = fake_prompt_text(prompt, messages)
             ids = fake_token_ids(text)
-        if any(i < 0 or i >= FAKE_VOCAB for i in ids):
-            raise BackendError("invalid_request", "prompt token id out of range", "prompt")
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise BackendError(
-                "context_length_exceeded",
-                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"model's context ({self.max_model_len} tokens)",
-                "messages" if messages is not None else "prompt",
-            )
+        param = "messages" if messages is not None else "prompt"
+        check_prompt(ids, sampling.max_tokens, self.max_model_len, FAKE_VOCAB, param)
         return PreparedPrompt(token_ids=ids, text=text, grammar=forced)
 
     def block_hashes(self, ids: list[int]) -> list[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.settings import StructuredSettings
+from libs.engine.config import StructuredSettings
 
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
 _ONE = (

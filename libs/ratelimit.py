@@ -5,13 +5,36 @@ continuously. ``admit`` takes one request and a token reservation (prompt estima
 output limit) or returns a ``Refusal`` with the seconds until both would fit; ``settle``
 corrects the token bucket with the usage the worker reported. Used by the gateway (per API key)
 and the router (per team, for requests from NATS and from keys of a team): with several
-replicas each enforces its own share.
+replicas each enforces its own share. Both reserve :func:`reserve_estimate`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from libs.protocol import GenerateRequest
+
+# Characters a token stands for in a prompt text whose tokens no worker has counted yet.
+CHARS_PER_TOKEN = 4
+
+
+def reserve_estimate(req: GenerateRequest) -> int:
+    """Tokens to reserve for ``req`` before a worker counts them: the prompt (its token ids, or
+    its text, the messages' contents joined, at ``CHARS_PER_TOKEN`` characters a token plus
+    one) and ``max_tokens`` for each of the ``n`` choices. The gateway's per-key and the
+    router's per-team limits reserve this same amount, and settle it with the real usage."""
+    if req.prompt_token_ids is not None:
+        prompt = len(req.prompt_token_ids)
+    else:
+        text = (
+            req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
+        )
+        prompt = len(text) // CHARS_PER_TOKEN + 1
+    return prompt + req.sampling.max_tokens * req.sampling.n
+
 
 # Buckets of keys idle this long are full again and are forgotten.
 IDLE_FORGET_S = 120.0

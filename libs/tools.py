@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from libs.engine.params import ToolCall, ToolChoice, ToolFunction
 from libs.json_schema import for_grammar
-from libs.protocol import GenerateRequest, ToolCall, ToolChoice, ToolFunction
-from libs.settings import StructuredSettings
+
+if TYPE_CHECKING:  # the wire's request, read by ToolSpec.of; the engine never imports it
+    from libs.protocol import GenerateRequest
+from libs.engine.config import StructuredSettings
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

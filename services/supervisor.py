@@ -477,7 +477,7 @@ def up(settings: Settings, secure: bool = False) -> int:
         fleet.ensure_nats(secure)
         prepare_models(settings)
         if any(p.backend == "engine" and settings.engine_for(p).compile for p in settings.pools):
-            from libs.engine.warm import warm_pools
+            from libs.models.warm import warm_pools
 
             warm_pools(settings, fleet.child_env(), say)
         key = dev_api_key(settings)

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from libs.engine.warm import engine_digest
-from libs.settings import EngineSettings
+from libs.engine.config import EngineSettings
+from libs.engine.digest import engine_digest
 
 log = logging.getLogger("strait.engine")
 

@@ -32,14 +32,16 @@ from typing import Any
 import msgspec
 import torch
 
-from libs.backend import BackendError, GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.engine import metrics
 from libs.engine.chat import ChatRenderer
+from libs.engine.checks import check_prompt, check_prompt_chars
+from libs.engine.config import EngineSettings, model_identity
 from libs.engine.engine import LLMEngine, StepOutput
+from libs.engine.errors import BackendError
 from libs.engine.kv_transfer import KvBlocks
 from libs.engine.model_runner import ModelShape
-from libs.protocol import ChatMessage, Priority, SamplingParams
-from libs.settings import EngineSettings, PoolSettings, Settings, model_identity
+from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
+from libs.engine.params import ChatMessage, Priority, SamplingParams
 from libs.tools import ToolSpec
 
 log = logging.getLogger("strait.engine")
@@ -179,19 +181,6 @@ class AsyncEngineBackend:
         self._evicted: list[int] = []
         self._exports: dict[str, list[int]] = {}  # request id → prompt ids (engine thread only)
 
-    @classmethod
-    def from_settings(cls, settings: Settings, pool: PoolSettings) -> AsyncEngineBackend:
-        """Resolve ``pool``'s model to a local directory (converting once) and build the
-        backend with the pool's engine settings (its weights' format)."""
-        from libs.models import prepare_model
-
-        path = prepare_model(pool.model, settings)
-        engine = settings.engine_for(pool)
-        draft = None
-        if engine.speculative.method == "draft":
-            draft = str(prepare_model(engine.speculative.draft_model, settings))
-        return cls(engine, str(path), pool.model, draft)
-
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -253,32 +242,17 @@ class AsyncEngineBackend:
         text = ""
         if messages is not None:
             text = self.chat.render(messages, tools)
-            self._check_length_before_tokenizing(len(text), sampling, param)
+            self._check_chars(len(text), sampling, param)
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         elif prompt is not None:
             text = prompt
-            self._check_length_before_tokenizing(len(text), sampling, param)
+            self._check_chars(len(text), sampling, param)
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif prompt_token_ids is not None:
             ids = list(prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise BackendError(
-                    "invalid_request",
-                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                    "prompt_token_ids",
-                )
         else:
             raise BackendError("invalid_request", "no prompt given", "prompt")
-        if not ids:
-            raise BackendError("invalid_request", "the prompt is empty", param)
-        if len(ids) >= self.max_model_len or len(ids) + sampling.max_tokens > self.max_model_len:
-            raise BackendError(
-                "context_length_exceeded",
-                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"model's context ({self.max_model_len} tokens)",
-                param,
-            )
+        check_prompt(ids, sampling.max_tokens, self.max_model_len, self.vocab_size, param)
         # logit_bias's token ids are checked by LLMEngine.add_request.
         predicted: list[int] = []
         if sampling.prediction:
@@ -296,20 +270,10 @@ class AsyncEngineBackend:
             token_ids=ids, text=text, grammar=grammar, matchers=matchers, prediction_ids=predicted
         )
 
-    def _check_length_before_tokenizing(
-        self, chars: int, sampling: SamplingParams, param: str
-    ) -> None:
-        """Refuse a text that cannot fit the context whatever its tokens, before a tokenizer
-        spends time on it: a token spans at most ``chat.max_token_chars`` characters."""
-        at_least = chars // self.chat.max_token_chars
-        if at_least + sampling.max_tokens > self.max_model_len:
-            raise BackendError(
-                "context_length_exceeded",
-                f"the prompt ({chars} characters, at least {at_least} tokens) + max_tokens "
-                f"({sampling.max_tokens}) exceeds the model's context ({self.max_model_len} "
-                "tokens)",
-                param,
-            )
+    def _check_chars(self, chars: int, sampling: SamplingParams, param: str) -> None:
+        check_prompt_chars(
+            chars, self.chat.max_token_chars, sampling.max_tokens, self.max_model_len, param
+        )
 
     async def generate(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.protocol import ChatMessage, ToolCall, ToolFunction
+from libs.engine.params import ChatMessage, ToolCall, ToolFunction
 from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec, fallback_instructions
 
 _PROBE_TOOL = ToolFunction(name="probe_tool", description="probe")

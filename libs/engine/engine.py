@@ -22,15 +22,19 @@ from typing import Any
 
 import torch
 
-from libs.backend import BackendError, GenerationChunk, Resume
 from libs.engine import metrics
 from libs.engine.block_pool import BlockPool
+from libs.engine.checks import check_kv_fits, check_logit_bias, check_prompt
+from libs.engine.config import EngineSettings
 from libs.engine.cuda_graphs import Capture
 from libs.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from libs.engine.errors import BackendError
 from libs.engine.hashing import chain_hashes
-from libs.engine.kv_manager import KvManager, blocks_for
+from libs.engine.kv_manager import KvManager
 from libs.engine.kv_transfer import KvBlocks
 from libs.engine.model_runner import ModelRunner, load_model
+from libs.engine.outputs import GenerationChunk, Resume
+from libs.engine.params import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
 from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
@@ -38,8 +42,6 @@ from libs.engine.spec import make_speculator
 from libs.engine.step_cost import StepCostModel
 from libs.engine.structured import Grammars
 from libs.log import fields
-from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
-from libs.settings import EngineSettings
 
 log = logging.getLogger("strait.engine")
 
@@ -168,7 +170,7 @@ class LLMEngine:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
         With ``resume`` (n = 1 only), output tokens given by another worker are appended
-        first (see :class:`libs.backend.Resume`): replayed ones silently, the handed-off one
+        first (see :class:`libs.engine.outputs.Resume`): replayed ones silently, the handed-off one
         reported in the next step's output. ``grammar``: llguidance grammar text (from
         ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
         of it made off this thread (choices without one get a new one here). ``prediction``:
@@ -177,29 +179,13 @@ class LLMEngine:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
             raise BackendError("invalid_request", f"request {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise BackendError("invalid_request", "the prompt is empty", "prompt")
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise BackendError(
-                "context_length_exceeded",
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the model's context ({self.max_model_len} tokens)",
-                "prompt",
-            )
-        if blocks_for(total, self.pool.block_size) > self.pool.num_blocks:
-            raise BackendError(
-                "context_length_exceeded",
-                f"prompt + max_tokens ({total} tokens) exceed the KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens); raise "
-                "engine.kv_cache_bytes",
-                "prompt",
-            )
+        # What the backends' prepare checked, again for direct callers (tests, benchmarks).
         vocab = self.runner.shape.vocab_size
-        if not all(0 <= t < vocab for t in sampling.logit_bias_ids()):
-            raise BackendError(
-                "invalid_request", f"logit_bias names a token outside 0..{vocab - 1}", "logit_bias"
-            )
+        check_prompt(prompt_token_ids, sampling.max_tokens, self.max_model_len, vocab, "prompt")
+        check_kv_fits(
+            len(prompt_token_ids) + sampling.max_tokens, self.pool.block_size, self.pool.num_blocks
+        )
+        check_logit_bias(sampling, vocab)
         if grammar is not None and self.grammars is None:
             raise BackendError("invalid_request", "this engine has no tokenizer for grammars")
         req = _Request(request_id, sampling, [], grammar, list(matchers), list(prediction))
@@ -207,7 +193,6 @@ class LLMEngine:
         req.seqs.append(seq)
         self.requests[request_id] = req
         if resume is not None:
-            vocab = self.runner.shape.vocab_size
             for token in resume.replayed:
                 self.sampler.skip(sampling, seq.generator, vocab)
                 self._append(seq, token, None)

@@ -31,10 +31,10 @@ import torch
 from libs.engine import attention, fuse, kernels, quant, triton_attention
 from libs.engine.aot import AotForward
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
+from libs.engine.config import EngineSettings
 from libs.engine.cuda_graphs import Capture, DecodeGraphs, batch_bucket, cuda_capture
 from libs.engine.kernels.linear import PackedLinear, pack_linears
 from libs.engine.scheduler import ScheduledSeq
-from libs.settings import EngineSettings
 
 log = logging.getLogger("strait.engine")
 

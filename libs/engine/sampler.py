@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from libs.engine.params import SamplingParams
 from libs.engine.structured import MaskKernel, mask_rows
-from libs.protocol import SamplingParams
 
 
 @dataclass(slots=True)

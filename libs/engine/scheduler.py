@@ -27,10 +27,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from libs.engine.config import EngineSettings
 from libs.engine.kv_manager import KvManager
 from libs.engine.sequence import SeqStatus, Sequence
 from libs.engine.step_cost import PrefillBudget, StepCostModel
-from libs.settings import EngineSettings
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from libs.engine.detokenizer import IncrementalDetokenizer
-from libs.protocol import FinishReason, LogprobEntry, Priority, SamplingParams
+from libs.engine.params import FinishReason, LogprobEntry, Priority, SamplingParams
 
 # Scheduling class of each priority: lower runs first.
 PRIORITY_CLASS: dict[str, int] = {"interactive": 0, "batch": 1}

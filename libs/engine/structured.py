@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from libs.backend import BackendError
 from libs.engine import metrics
+from libs.engine.config import StructuredSettings
+from libs.engine.errors import BackendError
+from libs.engine.params import StructuredOutput
 from libs.json_schema import ascii_regex
-from libs.protocol import StructuredOutput
-from libs.settings import StructuredSettings
 from libs.tools import ToolSpec, forced_calls_lark, with_layout
 
 # Compiled (validated) grammars kept per worker, by grammar text.
@@ -62,7 +62,7 @@ def grammar_text(
         assert tools is not None
         return llguidance.grammar_from("lark", forced_calls_lark(tools, rules))
     kind = structured.kind
-    param = f"structured_outputs.{kind}"
+    param = f"structured.{kind}"
     try:
         if kind == "json":
             assert structured.json is not None
@@ -140,7 +140,7 @@ class Grammars:
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             kind = structured.kind if structured is not None and structured.kind else "tools"
-            param = "tools" if kind == "tools" else f"structured_outputs.{kind}"
+            param = "tools" if kind == "tools" else f"structured.{kind}"
             raise BackendError("invalid_request", f"invalid {kind}: {error.strip()}", param)
         with self._lock:
             self._valid[text] = None

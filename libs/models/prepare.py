@@ -1,6 +1,6 @@
 """Resolve a model name to a local directory the engine can load, converting once if needed.
 
-Called by ``AsyncEngineBackend.from_settings`` (worker start-up), by ``strait models
+Called by ``libs.models.engine_backend`` (worker start-up), by ``strait models
 prepare|convert|list`` (``services/cli.py`` via the ``cli_*`` helpers) and by the slow tests.
 Resolution order for ``name``:
 

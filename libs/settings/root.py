@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     @property
     def compile_cache_dir(self) -> Path:
         """Where inductor keeps compiled graphs (``engine.compile``) for ``strait up``'s
-        processes (``TORCHINDUCTOR_CACHE_DIR``; libs/engine/warm.py fills it ahead)."""
+        processes (``TORCHINDUCTOR_CACHE_DIR``; libs/models/warm.py fills it ahead)."""
         return Path(self.state_dir).resolve() / "inductor"
 
     @property

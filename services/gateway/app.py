@@ -33,6 +33,7 @@ from libs.protocol import (
     StreamMessage,
     UsageEvent,
 )
+from libs.ratelimit import reserve_estimate
 from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
@@ -58,6 +59,7 @@ from services.gateway.completions import (
 )
 from services.gateway.deps import FleetDep, KeyDep, require_key
 from services.gateway.errors import ApiError, install_handlers
+from services.gateway.fields import OpenAIFields, checked
 from services.gateway.fleet import Fleet
 from services.gateway.keystore import DatabaseKeyStore
 from services.gateway.limits import RateLimiter
@@ -73,7 +75,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.translate import (
     DEFAULT_CHAT_MAX_TOKENS,
     chat_request,
-    estimate_tokens,
+    fields_of,
     text_request,
 )
 
@@ -271,7 +273,7 @@ def create_app(
         key: KeyInfo,
         reserved: int,
         include_usage: bool = False,
-        aliases: dict[str, str] | None = None,
+        fields: OpenAIFields | None = None,
         after_close: Callable[[CompletionRun], None] | None = None,
     ) -> tuple[CompletionRun, StreamMessage]:
         """Past the rate limits (``reserved`` tokens): backpressure, then submit the request
@@ -296,9 +298,7 @@ def create_app(
 
         app.state.inflight += 1
         metrics.INFLIGHT.set(app.state.inflight)
-        run = CompletionRun(
-            app.state.fleet, kind, req, key.key_id, include_usage, on_close, aliases
-        )
+        run = CompletionRun(app.state.fleet, kind, req, key.key_id, include_usage, on_close, fields)
         try:
             first = await run.start()
         except BaseException:
@@ -312,7 +312,7 @@ def create_app(
         key: KeyInfo,
         req: GenerateRequest,
     ) -> Response:
-        reserved = limiter.admit(key, estimate_tokens(req))
+        reserved = limiter.admit(key, reserve_estimate(req))
         ck = cache_key(key.key_id, kind, body) if cache.enabled and is_deterministic(body) else None
         hit = cache.get(ck) if ck else None
         if hit is not None:
@@ -323,8 +323,8 @@ def create_app(
             if ck and out is not None:
                 cache.put(ck, out)
 
-        aliases = {"structured_outputs.json": "response_format"} if body.response_format else {}
-        run, first = await begin(kind, req, key, reserved, body.include_usage, aliases, fill_cache)
+        fields = fields_of(body)
+        run, first = await begin(kind, req, key, reserved, body.include_usage, fields, fill_cache)
         headers = {"X-Strait-Cache": "miss" if ck else "bypass"}
         if body.stream:
             return run.streaming_response(first, headers)
@@ -413,12 +413,13 @@ def create_app(
             tool_name=tool_name,
             parallel_tool_calls=body.parallel_tool_calls is not False,
         )
+        fields = OpenAIFields("responses")
+        checked(req, fields)
         shape = ResponseShape(body, response_id, body.model, store)
-        reserved = limiter.admit(key, estimate_tokens(req))
-        aliases = {"structured_outputs.json": "text.format"}
+        reserved = limiter.admit(key, reserve_estimate(req))
         if body.background:
-            return await start_background(shape, conversation, req, key, reserved, aliases)
-        run, first = await begin("chat", req, key, reserved, False, aliases)
+            return await start_background(shape, conversation, req, key, reserved, fields)
+        run, first = await begin("chat", req, key, reserved, False, fields)
         shape.body["model"] = run.shaper.model
         headers = {"X-Request-Id": response_id}
 
@@ -449,7 +450,7 @@ def create_app(
         req: GenerateRequest,
         key: KeyInfo,
         reserved: int,
-        aliases: dict[str, str],
+        fields: OpenAIFields,
     ) -> Response:
         """Store the response ``queued`` and answer with it; ``background.run_background``
         runs it. A full gateway or pool is still a 503 / 429 here, before anything is stored."""
@@ -471,7 +472,7 @@ def create_app(
                 key.key_id,
                 shape,
                 conversation,
-                lambda: begin("chat", req, key, reserved, False, aliases),
+                lambda: begin("chat", req, key, reserved, False, fields),
             ),
         )
         return answer

@@ -44,7 +44,7 @@ from services.gateway.completions import CompletionRun, Kind
 from services.gateway.errors import ApiError, validation_api_error
 from services.gateway.fleet import Fleet
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.translate import chat_request, text_request
+from services.gateway.translate import chat_request, fields_of, text_request
 
 log = logging.getLogger("strait.batch")
 
@@ -180,7 +180,7 @@ class BatchRunner:
                 else text_request(body, key, request_id, "batch")
             )
             await self.wait_for_room(req.model)
-            run = CompletionRun(self.fleet, kind, req, key.key_id, False)
+            run = CompletionRun(self.fleet, kind, req, key.key_id, False, fields=fields_of(body))
             try:
                 first = await run.start()
             except BaseException:

@@ -45,6 +45,7 @@ from libs.telemetry import tracer
 from libs.tools import CALL_OPEN, CallMarkupFilter
 from services.gateway import metrics
 from services.gateway.errors import ApiError
+from services.gateway.fields import OpenAIFields
 from services.gateway.fleet import Fleet, FleetUnavailable, RequestTooLarge
 
 _JSON = msgspec.json.Encoder()
@@ -312,12 +313,12 @@ class CompletionRun:
         api_key_id: str | None,
         include_usage: bool,
         on_close: Callable[[CompletionRun], None] | None = None,
-        param_aliases: dict[str, str] | None = None,
+        fields: OpenAIFields | None = None,
     ) -> None:
-        """``param_aliases``: a worker's error param → the body field the client sent (the
-        worker names ``structured_outputs.json`` for a ``response_format`` schema)."""
+        """``fields``: names a worker's error param as the body field the client sent
+        (default: the plain ``kind`` body's)."""
         self.fleet = fleet
-        self.param_aliases = param_aliases or {}
+        self.fields = fields or OpenAIFields(kind)
         self.kind = kind
         self.req = req = fleet.addressed(req)
         self.outcome = Outcome(req.request_id, api_key_id, req.model, req.team)
@@ -368,8 +369,7 @@ class CompletionRun:
         if isinstance(first, ErrorMessage):
             await self.fail(first.code, first.message)
             err = ApiError.from_stream(first)
-            if err.param is not None:
-                err.param = self.param_aliases.get(err.param, err.param)
+            err.param = self.fields.of(err.param)
             raise err
         return first
 

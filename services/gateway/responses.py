@@ -177,23 +177,20 @@ class ResponseCreate(_Strict):
                     parameters=t.parameters or {"type": "object", "properties": {}},
                 )
             )
-        names = [t.name for t in out]
-        if len(set(names)) != len(names):
-            raise ApiError(400, "tools must have distinct names", "invalid_request", "tools")
         return out
 
     def wire_tools(self) -> tuple[list[ToolFunction] | None, ToolChoice, str | None]:
-        """(tools, tool_choice, forced function name) of the GenerateRequest."""
+        """(tools, tool_choice, forced function name) of the GenerateRequest. Whether they fit
+        together is the engine's check (``libs.engine.checks``, run by the route); a
+        tool_choice other than "none" given without tools goes on as "required", which that
+        check refuses."""
         tools = self.function_tools()
         choice = self.tool_choice
-        if choice is not None and choice != "none" and not tools:
-            raise ApiError(400, "tool_choice needs tools", "invalid_request", "tool_choice")
+        if not tools:
+            return None, "required" if choice not in (None, "none") else choice or "auto", None
         if isinstance(choice, FunctionChoice):
-            if choice.name not in {t.name for t in tools}:
-                msg = f"tool_choice names {choice.name!r}, which is not in tools"
-                raise ApiError(400, msg, "invalid_request", "tool_choice")
             return tools, "required", choice.name
-        return (tools or None), choice or "auto", None
+        return tools, choice or "auto", None
 
     def structured(self) -> StructuredOutput | None:
         fmt = self.text.format if self.text is not None else None

@@ -92,7 +92,8 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputsIn(_Strict):
-    """vLLM's ``structured_outputs`` extension: exactly one of its fields."""
+    """vLLM's ``structured_outputs`` extension: exactly one of its fields (``json_object``: a
+    ``json`` of any object)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
@@ -100,26 +101,23 @@ class StructuredOutputsIn(_Strict):
     grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
     json_object: bool | None = None
 
-    @model_validator(mode="after")
-    def _one(self) -> StructuredOutputsIn:
-        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object or None]
-        if sum(x is not None for x in given) != 1:
-            raise ValueError("set exactly one of json, regex, choice, grammar, json_object")
-        return self
-
     def wire(self) -> StructuredOutput:
-        if self.json_object:
-            return StructuredOutput(json={"type": "object"})
-        if isinstance(self.json_, str):
+        """The wire's constraint; that it sets exactly one kind is the engine's check
+        (``libs.engine.checks``, run on the whole request by ``translate.py``)."""
+        schema = self.json_
+        if isinstance(schema, str):
             try:
-                schema = json.loads(self.json_)
+                schema = json.loads(schema)
             except ValueError as e:
                 raise ValueError(f"json is not a JSON schema: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError("json must be a JSON schema object")
-            return StructuredOutput(json=schema)
+        if self.json_object:
+            if schema is not None:
+                raise ValueError("json_object is shorthand for a json schema: set one of them")
+            schema = {"type": "object"}
         return StructuredOutput(
-            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar
+            json=schema, regex=self.regex, choice=self.choice, grammar=self.grammar
         )
 
 
@@ -338,22 +336,14 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
     modalities: list[Literal["text"]] | None = None  # text is all there is
 
-    @model_validator(mode="after")
-    def _tools(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tools must have distinct function names")
-        choice = self.tool_choice
-        if choice is not None and choice != "none" and not names:
-            raise ValueError("tool_choice needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        return self
-
     def wire_tools(self) -> tuple[list[ToolFunction] | None, ToolChoice, str | None]:
-        """(tools, tool_choice, forced function name) of the GenerateRequest."""
+        """(tools, tool_choice, forced function name) of the GenerateRequest. Whether they fit
+        together is the engine's check (``libs.engine.checks``); a tool_choice other than
+        "none" given without tools goes on as "required", which that check refuses (OpenAI
+        allows tool_choice only with tools)."""
+        choice = self.tool_choice
         if not self.tools:
-            return None, "auto", None
+            return None, "auto" if choice in (None, "none") else "required", None
         tools = [
             ToolFunction(
                 name=t.function.name,
@@ -362,7 +352,6 @@ class ChatCompletionRequest(_Common):
             )
             for t in self.tools
         ]
-        choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             return tools, "required", choice.function.name
         return tools, choice or "auto", None

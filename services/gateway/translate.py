@@ -1,30 +1,25 @@
 """OpenAI request bodies → ``GenerateRequest``: the one place a chat or text completion body
-becomes the fleet's request (the HTTP routes and the batch runner both call it)."""
+becomes the fleet's request (the HTTP routes and the batch runner both call it), checked by the
+engine's input check (``services/gateway/fields.py``) before it is published."""
 
 from __future__ import annotations
 
 from libs.protocol import GenerateRequest, Priority, SamplingParams
 from services.gateway.auth import KeyInfo
 from services.gateway.errors import ApiError
+from services.gateway.fields import Api, OpenAIFields, checked
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 # Output tokens when the client sets no limit (OpenAI's completions default is 16; chat's is
 # "until the context ends", which we bound).
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_TEXT_MAX_TOKENS = 16
-# Rough characters per token, to reserve a prompt's tokens before the worker counts them.
-CHARS_PER_TOKEN = 4
 
 
-def estimate_tokens(req: GenerateRequest) -> int:
-    if req.prompt_token_ids is not None:
-        prompt = len(req.prompt_token_ids)
-    else:
-        text = (
-            req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or [])
-        )
-        prompt = len(text) // CHARS_PER_TOKEN + 1
-    return prompt + req.sampling.max_tokens * req.sampling.n
+def fields_of(body: ChatCompletionRequest | CompletionRequest) -> OpenAIFields:
+    """The OpenAI fields of ``body`` (how an engine error's param is named back to it)."""
+    api: Api = "chat" if isinstance(body, ChatCompletionRequest) else "text"
+    return OpenAIFields(api, response_format=body.response_format is not None)
 
 
 def sampling_of(
@@ -34,7 +29,7 @@ def sampling_of(
     try:
         return body.sampling(default_max, body.logprobs_n())
     except ValueError as e:
-        param = "response_format" if body.response_format else "structured_outputs"
+        param = fields_of(body).of("structured")
         raise ApiError(400, str(e), "invalid_request", param) from None
 
 
@@ -46,7 +41,7 @@ def chat_request(
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_request", "messages") from None
     tools, tool_choice, tool_name = body.wire_tools()
-    return GenerateRequest(
+    req = GenerateRequest(
         request_id=request_id,
         model=body.model,
         messages=messages,
@@ -61,6 +56,7 @@ def chat_request(
         tool_name=tool_name,
         parallel_tool_calls=body.parallel_tool_calls,
     )
+    return checked(req, fields_of(body))
 
 
 def text_request(
@@ -73,7 +69,7 @@ def text_request(
         prompt = str(body.prompt[0])
     else:
         ids = [int(x) for x in body.prompt]
-    return GenerateRequest(
+    req = GenerateRequest(
         request_id=request_id,
         model=body.model,
         prompt=prompt,
@@ -85,3 +81,4 @@ def text_request(
         user=body.user,
         want_route=True,
     )
+    return checked(req, fields_of(body))

@@ -27,10 +27,9 @@ import msgspec
 
 from libs.log import fields
 from libs.protocol import ErrorCode, Finished, GenerateRequest, Subjects
-from libs.ratelimit import RateLimiter, Refusal
+from libs.ratelimit import RateLimiter, Refusal, reserve_estimate
 from libs.security.teams import TeamsFile
 from libs.settings import Settings
-from services.router.classifier import CHARS_PER_TOKEN, prompt_text
 
 log = logging.getLogger("strait.router")
 
@@ -111,13 +110,6 @@ class TeamPolicy:
             reply_subject=self.subjects.team_stream(team, req.request_id),
         )
 
-    def reserve_estimate(self, req: GenerateRequest) -> int:
-        """As the gateway reserves: the prompt (its token ids, or 4 characters a token) plus
-        ``max_tokens`` for each of the ``n`` choices."""
-        ids = req.prompt_token_ids
-        prompt = len(ids) if ids is not None else len(prompt_text(req)) // CHARS_PER_TOKEN
-        return prompt + req.sampling.max_tokens * req.sampling.n
-
     def admit(self, req: GenerateRequest) -> int | TeamRefusal:
         """Tokens reserved for ``req`` (0 without a team), or why it is refused."""
         if req.team is None:
@@ -130,7 +122,7 @@ class TeamPolicy:
             req.team,
             rpm or self.cfg.default_rpm,
             tpm or self.cfg.default_tpm,
-            self.reserve_estimate(req),
+            reserve_estimate(req),
         )
         if isinstance(got, Refusal):
             msg = f"rate limit reached for team {req.team!r}: {got.message}"

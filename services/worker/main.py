@@ -27,6 +27,7 @@ from nats.aio.subscription import Subscription
 from libs.backend import Backend
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.log import fields
+from libs.models.engine_backend import engine_backend
 from libs.nats_util import connect
 from libs.protocol import AssignmentAck, DrainRequest
 from libs.runtime import ServiceContext, run_service
@@ -52,7 +53,7 @@ def build_backend(settings: Settings) -> Backend:
         return FakeBackend(
             settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
         )
-    return AsyncEngineBackend.from_settings(settings, pool)
+    return engine_backend(settings, pool)
 
 
 def cache_client(nc: object, settings: Settings) -> PrefixCache | None:
@@ -93,7 +94,7 @@ async def serve_prefill(ctx: ServiceContext) -> None:
         raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
     if pool.backend != "engine":
         raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
-    backend = AsyncEngineBackend.from_settings(settings, pool)
+    backend = engine_backend(settings, pool)
     await backend.start()
     nc = await connect(settings.nats, f"prefill-{pool.name}")
     worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))

@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from libs.engine import host_memory
+from libs.engine.config import EngineSettings
 from libs.engine.kernels import load as load_kernels
 from libs.engine.quant.base import KERNEL_DTYPE, Bf16Linear, WeightOnlyLinear
-from libs.engine.quant.blocks import BlockLinear, Blocks, kernel_serves, make_linear
+from libs.engine.quant.blocks import BlockLinear, Blocks, kernel_serves
 from libs.engine.quant.int4 import Int4Linear, int4_blocks
 from libs.engine.quant.int8 import Int8Linear, int8_blocks
-from libs.settings import EngineSettings
+from libs.engine.quant.serve import make_linear
 
 __all__ = [
     "FORMATS",

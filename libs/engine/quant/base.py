@@ -53,7 +53,7 @@ class WeightOnlyLinear(nn.Module):
 
 class Bf16Linear(WeightOnlyLinear):
     """Weights in bfloat16 through ``F.linear`` (cuBLAS): the CUDA fallback for 4-bit blocks
-    whose input width does not fit tinygemm's tiles (``blocks.make_linear``)."""
+    whose input width does not fit tinygemm's tiles (``serve.make_linear``)."""
 
     kind = "bf16"
     weight_bf16: torch.Tensor  # [out, in] bfloat16

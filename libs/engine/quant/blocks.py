@@ -2,7 +2,7 @@
 
 Every format's builder (``gguf``, ``int4``, ``int8``) describes each linear as :class:`Blocks`
 (levels, fp16 scales and offsets per group of inputs, in the model's row order), and
-:func:`make_linear` picks the layer that serves it:
+:func:`libs.engine.quant.serve.make_linear` picks the layer that serves it:
 
 - :class:`BlockLinear` — Strait's ``block_linear`` kernel (AVX2 or AVX-512 CPUs, float32 models):
   float32 activations, each weight widened in registers exactly as the ``gguf`` package
@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from libs.engine.quant.base import Bf16Linear, WeightOnlyLinear
+from libs.engine.quant.base import WeightOnlyLinear
 
 PANEL = 16  # output columns per panel (kernels/kernels.h kNR)
 PANELS_PER_GROUP = 4  # panels interleaved chunk by chunk (kPanelsPerGroup)
 GROUP_ROWS = PANEL * PANELS_PER_GROUP
-TINYGEMM_K = 256  # input features per tinygemm K tile at innerKTiles 8 (CUDA int4)
 FP16_TINY = 2.0**-14  # smallest normal fp16: scales never round to zero or lose bits
 
 
@@ -164,35 +163,3 @@ def kernel_serves(kernels: Any, dtype: torch.dtype, device: torch.device) -> boo
         and dtype == torch.float32
         and device.type == "cpu"
     )
-
-
-def make_linear(
-    blocks: Blocks,
-    bias: torch.Tensor | None,
-    kernels: Any | None,
-    device: torch.device,
-    act_bits: int = 32,
-) -> WeightOnlyLinear:
-    """The layer serving ``blocks`` (see the module docstring for which); built on
-    ``device``. ``kernels``: the loaded CPU kernels when :func:`kernel_serves`, else None."""
-    from libs.engine.quant.int4 import Int4Linear
-    from libs.engine.quant.int8 import Int8Linear
-
-    if kernels is not None:
-        # int8 activation blocks need an integer dot (AVX-512 VNNI, or AVX2's vpmaddubsw)
-        # and groups of 32 inputs; else the exact path.
-        if act_bits == 8 and not (getattr(kernels, "int8_dot", False) and blocks.group % 32 == 0):
-            act_bits = 32
-        return BlockLinear(blocks, bias, kernels, act_bits)
-    k = blocks.q.shape[1]
-    if device.type == "cuda" and blocks.bits == 4 and k % TINYGEMM_K:
-        # tinygemm packs K in tiles of 256 (SmolLM2's 576 inputs do not fit): bf16 weights.
-        return Bf16Linear(blocks.dequantized().to(device), bias)
-    if blocks.bits == 4:  # torch's formula: (q - 8) * scale + zero
-        zero = blocks.m + 8 * blocks.d if blocks.m is not None else torch.zeros_like(blocks.d)
-        return Int4Linear(
-            blocks.q.to(device), blocks.d.to(device), zero.to(device), blocks.group, bias
-        )
-    if blocks.group == blocks.q.shape[1] and blocks.m is None:  # one scale per row already
-        return Int8Linear(blocks.q.to(device), blocks.d[:, 0].to(device), bias)
-    return Int8Linear.from_float(blocks.dequantized().to(device), bias)

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from libs.engine.quant.base import WeightOnlyLinear
-from libs.engine.quant.blocks import BlockLinear, Blocks, make_linear
+from libs.engine.quant.blocks import BlockLinear, Blocks
 from libs.engine.quant.int8 import Int8Linear
+from libs.engine.quant.serve import make_linear
 from libs.models.convert import DONE_MARKER
 
 # HF module name suffix -> llama.cpp tensor name (llama, mistral, qwen2, gemma3 share them).

@@ -46,7 +46,7 @@ class Int4Linear(WeightOnlyLinear):
         if q32.is_cuda:
             # tinygemm wants the two nibbles of a byte as (even << 4 | odd) in uint8 first.
             u8 = (q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8)
-            packed = torch._convert_weight_to_int4pack(u8, 8)  # K % 256 == 0 (make_linear)
+            packed = torch._convert_weight_to_int4pack(u8, 8)  # K % 256 == 0 (serve.make_linear)
         else:
             packed = torch._convert_weight_to_int4pack_for_cpu(q32, 1)
         self.register_buffer("packed", packed)

@@ -23,12 +23,12 @@ from typing import Protocol
 import torch
 
 from libs.engine import metrics
+from libs.engine.config import EngineSettings, SpeculativeSettings
 from libs.engine.sequence import Sequence
 from libs.engine.spec.ngram import NgramIndex
 from libs.engine.spec.prediction import PredictionIndex
 from libs.engine.spec.suffix import SuffixCache
 from libs.engine.step_cost import StepCost
-from libs.settings import EngineSettings, SpeculativeSettings
 
 
 class Proposer(Protocol):

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.block_pool import BlockPool
+from libs.engine.config import EngineSettings, SpeculativeSettings
 from libs.engine.kv_manager import KvManager
 from libs.engine.model_runner import ModelRunner
 from libs.engine.scheduler import ScheduledSeq
 from libs.engine.sequence import Sequence
-from libs.settings import EngineSettings, SpeculativeSettings
 
 
 @dataclass(slots=True)

@@ -54,7 +54,8 @@ async def test_context_length_exceeded(client: StraitClient) -> None:
 async def test_invalid_request_from_the_worker(client: StraitClient) -> None:
     with pytest.raises(InvalidRequest) as e:
         await client.complete(prompt_token_ids=[10**9])
-    assert e.value.code == "invalid_request" and e.value.param == "prompt"
+    # The engine's one check names the field as the wire has it (the real engine's name).
+    assert e.value.code == "invalid_request" and e.value.param == "prompt_token_ids"
 
 
 async def test_no_worker_is_retryable(fleet_settings: Settings) -> None:

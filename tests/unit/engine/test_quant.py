@@ -70,7 +70,7 @@ def test_block_kernel_gives_the_float_kernels_bits(bits: int, offsets: bool) -> 
         x = torch.randn(rows, kk)
         assert torch.equal(layer(x), k.packed_linear(x, packed, n, bias)), rows
     # torch's kernels for the same blocks (CUDA, no AVX2): bf16 activations, close.
-    fallback = quant.blocks.make_linear(blocks, bias, None, torch.device("cpu"))
+    fallback = quant.serve.make_linear(blocks, bias, None, torch.device("cpu"))
     x = torch.randn(7, kk)
     ref = x @ blocks.dequantized().t() + bias
     assert torch.allclose(fallback(x), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())

@@ -26,7 +26,7 @@ def test_cuda_layers_compute_their_blocks(bits: int, k: int) -> None:
     n = 64
     w = torch.randn(n, k)
     blocks = quant.int4.int4_blocks(w, 32) if bits == 4 else quant.int8.int8_blocks(w)
-    layer = quant.blocks.make_linear(blocks, None, None, torch.device("cuda"))
+    layer = quant.serve.make_linear(blocks, None, None, torch.device("cuda"))
     x = torch.randn(5, k, device="cuda")
     ref = x.bfloat16().float() @ blocks.dequantized().cuda().t()
     y = layer(x)

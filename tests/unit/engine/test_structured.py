@@ -221,9 +221,9 @@ def test_logit_bias_forces_and_forbids_tokens(tok) -> None:  # type: ignore[no-u
 @pytest.mark.parametrize(
     ("structured", "param"),
     [
-        (StructuredOutput(regex="a("), "structured_outputs.regex"),
-        (StructuredOutput(grammar="root ::= ("), "structured_outputs.grammar"),
-        (StructuredOutput(json={"type": "nonsense"}), "structured_outputs.json"),
+        (StructuredOutput(regex="a("), "structured.regex"),
+        (StructuredOutput(grammar="root ::= ("), "structured.grammar"),
+        (StructuredOutput(json={"type": "nonsense"}), "structured.json"),
     ],
 )
 def test_an_invalid_constraint_is_refused_with_its_param(tok, structured, param) -> None:  # type: ignore[no-untyped-def]

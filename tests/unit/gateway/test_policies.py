@@ -6,6 +6,7 @@ import pytest
 
 from libs import ratelimit as limits_mod
 from libs.db.keys import check_secret, hash_secret, key_id_of, new_secret
+from libs.protocol import ChatMessage, GenerateRequest, SamplingParams
 from libs.settings import GatewaySettings
 from services.gateway import cache as cache_mod
 from services.gateway.auth import KeyInfo
@@ -81,6 +82,18 @@ def test_rate_limits_refill_and_settle(monkeypatch: pytest.MonkeyPatch) -> None:
         lim.admit(big, 20)
     # A reservation larger than a minute's tokens is capped, so it can still pass.
     assert lim.admit(KeyInfo("c", "c", tpm=50), 10_000) == 50
+
+
+def test_one_reservation_estimate_for_ids_text_and_messages() -> None:
+    """The gateway (per key) and the router (per team) reserve this same estimate."""
+    sampling = SamplingParams(max_tokens=10, n=2)
+    ids = GenerateRequest(request_id="a", prompt_token_ids=[1] * 7, sampling=sampling)
+    assert limits_mod.reserve_estimate(ids) == 7 + 10 * 2
+    text = GenerateRequest(request_id="b", prompt="x" * 41, sampling=sampling)
+    assert limits_mod.reserve_estimate(text) == 41 // 4 + 1 + 20
+    turns = [ChatMessage("system", "y" * 20), ChatMessage("user", "z" * 21)]
+    chat = GenerateRequest(request_id="c", messages=turns, sampling=sampling)
+    assert limits_mod.reserve_estimate(chat) == limits_mod.reserve_estimate(text)
 
 
 def test_secrets_verify_by_hash_only() -> None:

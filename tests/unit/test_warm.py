@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.support.tiny_models import save_tiny_model_dir
-from libs.engine import warm
+from libs.models import warm
 from libs.settings import EngineSettings, PoolSettings, Settings
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 ``strait up`` calls :func:`warm_pools` before it starts the workers: for every engine pool with
 ``compile`` on whose compiled graphs this machine has not built yet, it runs this module in a
-child process (``python -m libs.engine.warm POOL``), which builds the engine exactly as a
+child process (``python -m libs.models.warm POOL``), which builds the engine exactly as a
 worker would and compiles both graphs, showing a progress bar. The graphs are saved under
 ``Settings.compile_cache_dir`` (``TORCHINDUCTOR_CACHE_DIR``, set for every child of
 ``strait up``): whole, ahead of time, with ``engine.compile_aot`` (libs/engine/aot.py), where
@@ -10,7 +10,7 @@ the workers load them in seconds; otherwise as inductor's cache, which spares th
 inductor's work but not dynamo's tracing (tens of seconds instead of minutes).
 
 Whether a pool is warm is a marker file named by :func:`warm_key`: the model's files and
-:func:`engine_digest` (the pool's engine settings, torch's and transformers' versions, this
+:func:`libs.engine.digest.engine_digest` (the pool's engine settings, torch's and transformers' versions, this
 CPU's features, the source of every module that shapes the compiled graph). Anything else
 changing makes a new key and a new warm-up. The marker only decides whether to warm ahead; the
 graphs' own keys (libs/engine/aot.py's, or inductor's) decide what is reused, so a stale or
@@ -25,63 +25,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 
-from libs.engine import kernels
-from libs.settings import EngineSettings, PoolSettings, Settings, SpeculativeSettings
-
-# Engine settings that do not shape the graph: the KV budget is a symbolic size, speculation
-# runs the same graphs, and the artifact directory is where the graphs live, not what they are.
-UNSHAPING = {
-    "kv_cache_bytes",
-    "kv_cache_memory_fraction",
-    "speculative",
-    "compile_dir",
-    # Scheduling: how many tokens a step carries, not the graphs that run them.
-    "itl_target_ms",
-    "min_prefill_tokens",
-    # CUDA only: they shape no CPU graph.
-    "cuda_graphs",
-    "cuda_graph_batch_sizes",
-    "cuda_attention",
-}
-# Modules whose source shapes the compiled graph, relative to libs/engine.
-GRAPH_SOURCES = (
-    "model_runner.py",
-    "aot.py",
-    "attention.py",
-    "fuse.py",
-    *(f"kernels/{path.name}" for path in (*kernels.SOURCES, *kernels.HEADERS)),
-    "kernels/ops.py",
-    "kernels/linear.py",
-    "quant/__init__.py",
-    "quant/blocks.py",
-    "quant/base.py",
-    "quant/gguf.py",
-    "quant/int4.py",
-    "quant/int8.py",
-)
-
-
-def engine_digest(engine: EngineSettings) -> bytes:
-    """What decides a pool's compiled graphs apart from its model: the engine settings that
-    shape them, the thread count, torch's and transformers' versions, this CPU's features and
-    the source of every module in :data:`GRAPH_SOURCES`. Shared by :func:`warm_key` and
-    :func:`libs.engine.aot.graph_key`."""
-    h = hashlib.sha256()
-    h.update(engine.model_dump_json(exclude=UNSHAPING).encode())
-    # The threads the workers will run (inductor's kernels are generated for a thread count;
-    # OMP_NUM_THREADS changes it as much as engine.num_threads does).
-    h.update(f"threads {engine.threads()}\n".encode())
-    for pkg in ("torch", "transformers"):
-        h.update(f"{pkg} {version(pkg)}\n".encode())
-    h.update(kernels.cpu_tag().encode())
-    here = Path(__file__).parent
-    for name in GRAPH_SOURCES:
-        h.update((here / name).read_bytes())
-    return h.digest()
-
+from libs.engine.config import SpeculativeSettings
+from libs.engine.digest import engine_digest
+from libs.settings import PoolSettings, Settings
 
 # The progress bar's scale: a first compile of SmolLM2's two graphs on 2 cores (5-8 min).
 EXPECTED_COMPILE_S = 420
@@ -118,7 +66,7 @@ def warm_pools(settings: Settings, env: dict[str, str], say: Callable[[str], Non
         if not needs_warm(settings, pool):
             continue
         say(f"pool {pool.name}: compiling the forward once for this machine (cached after)")
-        cmd = [sys.executable, "-m", "libs.engine.warm", pool.name]
+        cmd = [sys.executable, "-m", "libs.models.warm", pool.name]
         if subprocess.run(cmd, env=env, check=False).returncode != 0:
             raise RuntimeError(f"compiling pool {pool.name}'s forward failed (see above)")
 
@@ -138,7 +86,7 @@ def _progress(stop: threading.Event, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m libs.engine.warm POOL``: build POOL's engine with ``compile`` on, as its
+    """``python -m libs.models.warm POOL``: build POOL's engine with ``compile`` on, as its
     workers will, then write the pool's marker."""
     from libs.engine.engine import LLMEngine
     from libs.models import prepare_model
