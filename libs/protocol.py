@@ -324,6 +324,9 @@ class RouterBeat(Struct, kw_only=True):
     waiting: dict[str, int] = msgspec.field(default_factory=dict)
     # pool → seconds the oldest held request has waited.
     oldest_held_s: dict[str, float] = msgspec.field(default_factory=dict)
+    # pool → requests this router began holding since its last beat: arrivals the planner
+    # counts now (their route events, later, carry the factor "held:<s>" and are not counted).
+    held_arrivals: dict[str, int] = msgspec.field(default_factory=dict)
     ts: float = msgspec.field(default_factory=time.time)
 
 

@@ -42,6 +42,7 @@ class Load:
     ttft_s: float | None  # at the SLO quantile; None before any finished request
     idle_s: float  # seconds since the pool's last arrival
     demand_while_zero: bool = False  # a request for the pool arrived while it had no worker
+    oldest_wait_s: float = 0.0  # the oldest request held in a router for the pool
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,13 @@ def settle(
 
     if wanted > base:
         state.below_since = None
-        if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s:
+        urgent = (
+            cfg.scale_up_urgent_fraction > 0
+            and load.oldest_wait_s >= cfg.scale_up_urgent_fraction * bounds.ttft_slo_s
+        )
+        if urgent:
+            factors.append(f"oldest_wait={load.oldest_wait_s:.2f}")
+        if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s and not urgent:
             return _hold(state, base, "hold_up_cooldown", driver, factors)
         return _change(state, wanted, now, "wake" if base == 0 else "scale_up", driver, factors)
     if wanted < base:

@@ -68,9 +68,11 @@ class Planner:
     # ------------------------------------------------------------ inputs
 
     def on_route(self, ev: RouteDecision, now: float) -> None:
-        """One placed request: an arrival for its pool (and for a pool it spilled from)."""
+        """One placed request: an arrival for its pool (and for a pool it spilled from), unless
+        a router held it first (factor ``held:<s>``: counted when its RouterBeat said so)."""
         self._roll(now)
-        self._arrive(ev.route.pool, now)
+        if not any(f.startswith("held:") for f in ev.route.factors):
+            self._arrive(ev.route.pool, now)
         for f in ev.route.factors:
             if f.startswith("no_live_worker:"):
                 view = self.pools.get(f.split(":", 1)[1])
@@ -97,7 +99,23 @@ class Planner:
         view.running.append((now, beat.running))
 
     def on_router_beat(self, beat: RouterBeat, now: float) -> None:
+        self._roll(now)
         self.routers[beat.router_id] = (beat, now)
+        for pool, n in beat.held_arrivals.items():
+            for _ in range(n):
+                self._arrive(pool, now)
+
+    def oldest_wait_s(self, pool: str, now: float) -> float:
+        """Seconds the oldest request a live router holds for ``pool`` has waited."""
+        ttl = self.settings.fleet.worker_ttl_s
+        return max(
+            (
+                b.oldest_held_s.get(pool, 0.0)
+                for b, seen in self.routers.values()
+                if now - seen <= ttl
+            ),
+            default=0.0,
+        )
 
     def held(self, pool: str, now: float) -> int:
         """Requests the live routers hold for ``pool`` (not placed yet: every worker was full),
@@ -183,6 +201,7 @@ class Planner:
             busy=sum(w.beat.running for w in live),
             ttft_s=ttft,
             idle_s=now - max(view.last_arrival, self.started),
+            oldest_wait_s=self.oldest_wait_s(pool.name, now) if role != "decode" else 0.0,
             demand_while_zero=view.demand_while_zero,
         )
         view.demand_while_zero = False

@@ -160,6 +160,7 @@ class Router:
         # Requests held while every worker of their pool is full, by pool, oldest first
         # (``hold_while_full``): (token, monotonic time it was held).
         self.held: dict[str, list[tuple[object, float]]] = {}
+        self.held_arrivals: dict[str, int] = {}  # by pool, since the last RouterBeat
 
     # ------------------------------------------------------------ pool choice
 
@@ -415,25 +416,29 @@ class Router:
         req: GenerateRequest,
         keepalive: Callable[[], Awaitable[None]] | None = None,
         held: asyncio.Semaphore | None = None,
-    ) -> None:
+    ) -> float | None:
         """Late binding: hold a new request (unacked, kept alive) while its pool has no
         ``room``, and let it go in arrival order as room appears (a finished request, a
         worker that starts), up to ``router.hold_max_s``. A request placed at once would wait
         in one worker's queue however many workers start after it. Held requests count in
-        ``router.max_pool_queue`` (``decide``); the decision slot is given back meanwhile."""
+        ``router.max_pool_queue`` (``decide``); the decision slot is given back meanwhile.
+        Returns the seconds it was held, None when it was not."""
         choice = self.choose_pool(req)
         if choice is None or self.cfg.hold_max_s <= 0:
-            return
+            return None
         pool = choice.pool
         line = self.held.setdefault(pool, [])
         if len(line) < self.room(pool):
-            return  # room for everyone held before it, and for it
+            return None  # room for everyone held before it, and for it
         queued = len(line) + sum(w.beat.waiting + w.pending for w in self.registry.live(pool))
         if queued >= self.cfg.max_pool_queue:
-            return  # ``decide`` refuses it (no_capacity)
+            return None  # ``decide`` refuses it (no_capacity)
         token = object()
         t0 = last_keepalive = time.monotonic()
         line.append((token, t0))
+        # An arrival the planner counts now (RouterBeat.held_arrivals), not when it is placed:
+        # placements while the pool is full come at the pool's pace, not the arrivals'.
+        self.held_arrivals[pool] = self.held_arrivals.get(pool, 0) + 1
         metrics.HELD.labels(pool=pool).inc()
         if held is not None:
             held.release()
@@ -443,7 +448,7 @@ class Router:
                 now = time.monotonic()
                 ahead = next(i for i, (t, _) in enumerate(line) if t is token)
                 if ahead < self.room(pool) or now - t0 >= self.cfg.hold_max_s:
-                    return
+                    return now - t0
                 if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
                     last_keepalive = now
                     await keepalive()
@@ -455,14 +460,16 @@ class Router:
                 await held.acquire()
 
     def beat(self, router_id: str) -> RouterBeat:
-        """What this router holds now (``services.router.main`` publishes it every
-        ``router.beat_interval_s``)."""
+        """What this router holds now, and the requests it began holding since the last beat
+        (``services.router.main`` publishes it every ``router.beat_interval_s``)."""
         now = time.monotonic()
+        arrived, self.held_arrivals = self.held_arrivals, {}
         return RouterBeat(
             router_id=router_id,
             held={p: len(line) for p, line in self.held.items() if line},
             waiting={p: n for p, n in self.waiting.items() if n},
             oldest_held_s={p: round(now - line[0][1], 3) for p, line in self.held.items() if line},
+            held_arrivals=arrived,
         )
 
     # ------------------------------------------------------------ one message
@@ -533,8 +540,9 @@ class Router:
         request's ``hold_batch``)."""
         if attempt == 1 and req.priority == "batch":
             await self.hold_batch(req, keepalive, held)
-        elif attempt == 1 and migration is None and not pool:
-            await self.hold_while_full(req, keepalive, held)
+        held_s = None
+        if attempt == 1 and req.priority != "batch" and migration is None and not pool:
+            held_s = await self.hold_while_full(req, keepalive, held)
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":
@@ -547,6 +555,8 @@ class Router:
         if attempt > 1:
             decision.code = "migrated" if migration is not None else "replaced"
             decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
+        if held_s is not None:
+            decision.factors.append(f"held:{held_s:.2f}")
         queued_s = max(time.time() - req.created_at, 0.0)
         if attempt == 1:
             metrics.QUEUE_SECONDS.observe(queued_s)

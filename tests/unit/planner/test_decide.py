@@ -203,3 +203,37 @@ def test_requests_held_in_live_routers_count_as_queued() -> None:
     assert (d.queue, d.replicas, d.driver) == (12, 3, "queue_depth")
     pl.forget_stale(500.0, 100.0)
     assert pl.routers == {}
+
+
+def test_held_arrivals_count_once_and_an_old_held_request_skips_the_up_cooldown() -> None:
+    from libs.protocol import RouteDecision, RouterBeat, RouteReason, WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(
+        pools=[PoolSettings(name="p", model="m", backend="fake")],
+        planner=PlannerSettings(bucket_s=1.0),  # type: ignore[arg-type]
+    )
+    pl = Planner(s, "t", now=0.0)
+    # 5 requests held in the first second: 5 arrivals then, none again when they are placed.
+    pl.on_router_beat(RouterBeat(router_id="r", held={"p": 5}, held_arrivals={"p": 5}), 0.5)
+    for i in range(5):
+        route = RouteReason(pool="p", worker_id="w", code="auto", factors=[f"held:{i}.0"])
+        pl.on_route(RouteDecision(request_id=f"h{i}", route=route), 1.5)
+    pl.on_route(RouteDecision(request_id="x", route=RouteReason("p", "w", "auto")), 1.5)
+    pl._roll(2.0)
+    assert pl.series("p") == [5.0, 1.0]
+    assert pl.oldest_wait_s("p", 2.0) == 0.0  # the beat said nothing held for long
+    pl.on_beat(WorkerBeat(worker_id="w", pool="p", role="aggregated", model="m"), 2.0)
+    pl.on_router_beat(RouterBeat(router_id="r", held={"p": 9}, oldest_held_s={"p": 1.2}), 2.0)
+    assert pl.oldest_wait_s("p", 2.0) == 1.2
+
+    # settle: within the up-cooldown a larger need waits, unless a held request is that old.
+    state = RoleState(target=2, last_change=10.0)
+    calm = settle(4, "queue", load(queue=9), BOUNDS, state, 2, 10.5, cfg())
+    assert (calm.replicas, calm.reason) == (2, "hold_up_cooldown")
+    late = load(queue=9, oldest_wait_s=1.0)  # half the 2 s SLO
+    v = settle(4, "queue", late, BOUNDS, state, 2, 10.5, cfg())
+    assert (v.replicas, v.reason) == (4, "scale_up") and "oldest_wait=1.00" in v.factors
+    off = settle(6, "queue", late, BOUNDS, state, 4, 10.6, cfg(scale_up_urgent_fraction=0.0))
+    assert off.reason == "hold_up_cooldown"

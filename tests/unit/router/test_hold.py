@@ -66,8 +66,11 @@ async def test_a_full_pool_holds_requests_and_lets_them_go_in_arrival_order() ->
         tasks.append(asyncio.create_task(arrive(rid)))
         await asyncio.sleep(0.02)
     assert order == [] and len(r.held["default"]) == 3
-    assert r.beat("router-1").held == {"default": 3}
+    first = r.beat("router-1")
+    assert first.held == {"default": 3} and first.held_arrivals == {"default": 3}
+    assert r.beat("router-1").held_arrivals == {}  # counted once, by the beat after them
     assert r.beat("router-1").oldest_held_s["default"] > 0
+    assert r.beat("router-1").held == {"default": 3}
     d = r.decide(request("hi", rid="d"))  # held requests count as queued
     assert isinstance(d, Decision)
     # Two slots free up (the beat after two requests finished): the two oldest go, in order.
