@@ -4,6 +4,9 @@ Messages are ``msgspec.Struct``s encoded as JSON. Each top-level message carries
 protocol version); a receiver rejects versions it does not know with a typed ``ErrorMessage``
 (``code="unsupported_version"``). Subjects are built from one prefix (settings.nats.subject_prefix,
 default ``strait.v1``) by :class:`Subjects`; nothing else in the code base spells a subject.
+Over 500 lines by design: every message and subject of the fleet in one module (the house
+rule), so a reader of the wire has one place to look; the engine's own request types live in
+``libs/engine/params.py`` and are re-exported here.
 
 Data flow (see docs/architecture.md):
 

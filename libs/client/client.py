@@ -11,6 +11,9 @@ One request, over the wire::
 ``generate`` returns a :class:`Generation`: an async iterator of ``TokenDelta`` whose ``finished``
 / ``usage`` are set once the stream ends; ``complete`` collects it into a :class:`Completion`.
 Errors are raised as the typed exceptions of ``libs.client.errors``.
+
+Over 500 lines because it is the public client in one import: the connection, the request
+builder and the ``Generation`` iterator, whose options and docstrings are the API's reference.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 markers: subjects (from ``Subjects``), JetStream streams (from ``stream_configs``), message fields
 (from the msgspec types), error codes (from ``ErrorCode``), limits (from the settings defaults).
 ``docs/gen_nats_api.py`` writes it (and docs/schemas/); a unit test regenerates and compares.
+Over 500 lines because most of it is data: one documented row per subject and error code.
 
 The prose here (who publishes, who subscribes) is keyed by ``Subjects`` member and by error code;
 rendering fails when the protocol gains a subject or a code that is not described.

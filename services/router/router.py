@@ -22,6 +22,10 @@ first, ``worker_lost`` places it again on another worker of its pool (code ``rep
 marker on the stream, then ``Assignment.migration`` with the tokens streamed so far). With
 no other worker in the pool the marker's reason is ``waiting_for_worker``: the stream pauses
 until a worker beats in the pool (the lost one restarted) and continues there.
+
+The holds before a decision are in ``holds.py`` (``Router`` inherits them). Over 500 lines
+because a request's life in the router — decide, offer, record, move — is one class whose
+steps share the registry, the watch and the decision slots; each step is a method here.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import asyncio
 import logging
 import math
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,7 +57,6 @@ from libs.protocol import (
     Migration,
     ProtocolError,
     RouteDecision,
-    RouterBeat,
     RouteReason,
     Subjects,
     decode,
@@ -67,6 +69,7 @@ from libs.telemetry import extract_context, inject_headers, tracer
 from services.deadletter import dead_letter
 from services.router import metrics
 from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classifier, prompt_text
+from services.router.holds import Holds
 from services.router.placement import CostWeights, Placement, rank
 from services.router.prefix import PrefixHashers
 from services.router.teams import TeamPolicy, TeamRefusal
@@ -121,7 +124,7 @@ class Rejection:
     pools: list[str] = field(default_factory=list)
 
 
-class Router:
+class Router(Holds):
     def __init__(
         self,
         nc: NATS,
@@ -353,124 +356,6 @@ class Router:
                 f" (waited {waited:.1f} s for one to come back; router.worker_return_wait_s)"
             )
         return decision
-
-    def batch_room(self, pool: str) -> bool:
-        """Interactive work leaves room in ``pool`` for a batch request: no request waits in
-        its workers (beats) and more than ``batch.reserve_slots`` slots are free, counting
-        the assignments made since the last beats. No live worker: ``decide`` answers."""
-        workers = self.registry.live(pool)
-        if not workers:
-            return True
-        waiting = sum(w.beat.waiting for w in workers)
-        free = sum(w.beat.capacity - w.beat.running - len(w.pending_at) for w in workers)
-        return waiting == 0 and free > self.settings.batch.reserve_slots
-
-    async def hold_batch(
-        self,
-        req: GenerateRequest,
-        keepalive: Callable[[], Awaitable[None]] | None = None,
-        held: asyncio.Semaphore | None = None,
-    ) -> None:
-        """Hold a ``priority: "batch"`` request (unacked, kept alive) while its pool has no
-        room for it (``batch_room``), up to ``router.batch_hold_max_s``; its decision slot is
-        given back meanwhile. The engine's scheduler still runs interactive work first and
-        preempts batch work; this keeps batch requests from queueing ahead of the next
-        interactive arrivals in the first place."""
-        choice = self.choose_pool(req)
-        if choice is None or self.batch_room(choice.pool):
-            return
-        metrics.BATCH_HELD.inc()
-        t0 = last_keepalive = time.monotonic()
-        if held is not None:
-            held.release()
-        try:
-            while not self.batch_room(choice.pool):
-                now = time.monotonic()
-                if now - t0 >= self.cfg.batch_hold_max_s:
-                    return
-                if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
-                    last_keepalive = now
-                    await keepalive()
-                await asyncio.sleep(self.cfg.sweep_interval_s)
-        finally:
-            if held is not None:
-                await held.acquire()
-            metrics.BATCH_HOLD_SECONDS.observe(time.monotonic() - t0)
-
-    def room(self, pool: str) -> int:
-        """Requests ``pool``'s workers take before the router holds the next: over every live
-        worker, its capacity plus ``router.hold_queue_per_worker`` less what it holds (running,
-        waiting, and assigned since its last beat). A pool with no live worker has unbounded
-        room here: ``decide_waiting`` answers for it."""
-        workers = self.registry.live(pool)
-        if not workers:
-            return sys.maxsize
-        limit = self.cfg.hold_queue_per_worker
-        return sum(
-            max(w.beat.capacity + limit - (w.beat.running + w.beat.waiting + w.pending), 0)
-            for w in workers
-        )
-
-    async def hold_while_full(
-        self,
-        req: GenerateRequest,
-        keepalive: Callable[[], Awaitable[None]] | None = None,
-        held: asyncio.Semaphore | None = None,
-    ) -> float | None:
-        """Late binding: hold a new request (unacked, kept alive) while its pool has no
-        ``room``, and let it go in arrival order as room appears (a finished request, a
-        worker that starts), up to ``router.hold_max_s``. A request placed at once would wait
-        in one worker's queue however many workers start after it. Held requests count in
-        ``router.max_pool_queue`` (``decide``); the decision slot is given back meanwhile.
-        Returns the seconds it was held, None when it was not."""
-        choice = self.choose_pool(req)
-        if choice is None or self.cfg.hold_max_s <= 0:
-            return None
-        pool = choice.pool
-        line = self.held.setdefault(pool, [])
-        if len(line) < self.room(pool):
-            return None  # room for everyone held before it, and for it
-        queued = len(line) + sum(w.beat.waiting + w.pending for w in self.registry.live(pool))
-        if queued >= self.cfg.max_pool_queue:
-            return None  # ``decide`` refuses it (no_capacity)
-        token = object()
-        t0 = last_keepalive = time.monotonic()
-        line.append((token, t0))
-        # An arrival the planner counts now (RouterBeat.held_arrivals), not when it is placed:
-        # placements while the pool is full come at the pool's pace, not the arrivals'.
-        self.held_arrivals[pool] = self.held_arrivals.get(pool, 0) + 1
-        metrics.HELD.labels(pool=pool).inc()
-        if held is not None:
-            held.release()
-        try:
-            while True:
-                await asyncio.sleep(self.cfg.sweep_interval_s)
-                now = time.monotonic()
-                ahead = next(i for i, (t, _) in enumerate(line) if t is token)
-                if ahead < self.room(pool) or now - t0 >= self.cfg.hold_max_s:
-                    return now - t0
-                if keepalive is not None and now - last_keepalive >= self.cfg.assign_timeout_s:
-                    last_keepalive = now
-                    await keepalive()
-        finally:
-            line[:] = [e for e in line if e[0] is not token]
-            metrics.HELD.labels(pool=pool).dec()
-            metrics.HOLD_SECONDS.observe(time.monotonic() - t0)
-            if held is not None:
-                await held.acquire()
-
-    def beat(self, router_id: str) -> RouterBeat:
-        """What this router holds now, and the requests it began holding since the last beat
-        (``services.router.main`` publishes it every ``router.beat_interval_s``)."""
-        now = time.monotonic()
-        arrived, self.held_arrivals = self.held_arrivals, {}
-        return RouterBeat(
-            router_id=router_id,
-            held={p: len(line) for p, line in self.held.items() if line},
-            waiting={p: n for p, n in self.waiting.items() if n},
-            oldest_held_s={p: round(now - line[0][1], 3) for p, line in self.held.items() if line},
-            held_arrivals=arrived,
-        )
 
     # ------------------------------------------------------------ one message
 
