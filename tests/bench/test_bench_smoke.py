@@ -9,9 +9,9 @@ Three kinds of run:
 - ``RUNS``: the bench itself, FAKE engine or tiny random model where the bench allows, the
   default pool's real model where it measures that model (skipped, or failed with ``CI=true``,
   when the model is not prepared: ``make models``);
-  The ``heavy`` ones (a minute or more each on 2 cores) run in full only with
-  ``STRAIT_BENCH_SMOKE=full``; the default suite parses their ``--help``, which keeps this
-  tier to a few minutes;
+  The ``heavy`` ones (a minute or more each on 2 cores) and the real-model ones (each loads
+  the model: 20-60 s) run in full only with ``STRAIT_BENCH_SMOKE=full``; the default suite
+  parses their ``--help``, which keeps this tier to a few minutes;
 - ``HELP_ONLY``: benches that need what this machine lacks (a GPU, a model server left running,
   or a run of minutes with no knob to shorten it): their imports and argument parsing
   (``--help``) only;
@@ -284,7 +284,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_bench_runs_with_tiny_arguments(
     run: Run, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    if run.heavy and os.environ.get("STRAIT_BENCH_SMOKE") != "full":
+    if (run.heavy or run.real_model) and os.environ.get("STRAIT_BENCH_SMOKE") != "full":
         done = run_bench(run.module, ["--help"], {})
         assert done.returncode == 0, done.stderr[-3000:]
         assert "usage:" in done.stdout
