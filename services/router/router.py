@@ -417,6 +417,7 @@ class Router(Holds):
         since: float = math.inf,
         keepalive: Callable[[], Awaitable[None]] | None = None,
         held: asyncio.Semaphore | None = None,
+        recheck: bool = False,
     ) -> RouteReason | None:
         """Decide (waiting for a worker that is coming), then offer ``req`` to the ranked
         workers until one accepts. ``on_accepted`` runs the moment one does (``handle`` acks
@@ -450,11 +451,15 @@ class Router(Holds):
         # the worker that looked idlest in the last beat.
         reserved = self.registry.on_assigned(decision.ranked[0].worker.worker_id)
         watched = self.fleet.replace_lost and await self.watch.watch(req)
+        silent = []  # offered workers that did not answer at all (dead, not yet expired?)
         for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
             route = decision.route(p)
             if i > 0:
                 reserved = self.registry.on_assigned(route.worker_id)
-            if await self.offer(req, route, attempt, queued_s, decision.decode_workers, migration):
+            answer = await self.offer(
+                req, route, attempt, queued_s, decision.decode_workers, migration
+            )
+            if answer:
                 if on_accepted is not None:
                     await on_accepted()
                 if watched:
@@ -462,6 +467,26 @@ class Router(Holds):
                 await self.record(req, route, decision.decide_s)
                 return route
             self.registry.on_refused(route.worker_id, reserved)
+            if answer is None:
+                silent.append(route.worker_id)
+        if silent and len(silent) == min(len(decision.ranked), MAX_OFFERS) and not recheck:
+            # Nobody answered: the workers may have died inside their beat TTL (a kill -9 a
+            # moment ago). One TTL later they have beaten again, or expired, which makes the
+            # pool "coming back" when they left without draining: decide again then, and
+            # wait for the restarted worker like any request of that pool.
+            await asyncio.sleep(self.fleet.worker_ttl_s + self.cfg.sweep_interval_s)
+            return await self.place(
+                req,
+                attempt,
+                exclude,
+                migration,
+                pool,
+                on_accepted,
+                since,
+                keepalive,
+                held,
+                recheck=True,
+            )
         await self.reply_error(
             req,
             Rejection(
@@ -574,7 +599,9 @@ class Router(Holds):
         queued_s: float,
         decode_workers: list[str] | None = None,
         migration: Migration | None = None,
-    ) -> bool:
+    ) -> bool | None:
+        """Offer ``req`` to one worker: True it accepted, False it refused, None no answer
+        within ``router.assign_timeout_s`` (or no one listens on its subject)."""
         a = Assignment(
             request=req,
             route=route,
@@ -592,10 +619,10 @@ class Router(Holds):
             )
         except (NatsTimeout, NoRespondersError, TimeoutError):
             log.warning(
-                "worker did not accept",
+                "worker did not answer",
                 extra=fields(request_id=req.request_id, worker_id=route.worker_id),
             )
-            return False
+            return None
         try:
             ack = msgspec.json.decode(reply.data, type=AssignmentAck)
         except (msgspec.DecodeError, msgspec.ValidationError):

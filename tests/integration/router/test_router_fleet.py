@@ -234,3 +234,22 @@ async def test_requests_held_while_the_pool_is_full_go_to_a_worker_that_starts(
         outs = await asyncio.gather(*runs)
         assert all(isinstance(o[-1], Finished) for o in outs)
         assert router.held["default"] == []
+
+
+async def test_a_request_offered_to_a_worker_that_just_died_waits_for_its_restart(
+    router_settings: Settings, client: Client
+) -> None:
+    """kill -9 of the only worker, and a request sent before its beats have expired: the offer
+    goes unanswered; instead of no_capacity, the router decides again one TTL later, finds
+    the pool's worker lost without draining, and waits for it (issue 43)."""
+    async with InProcessFleet(router_settings) as fleet:
+        w0 = await fleet.add_worker("w0")
+        await poll(lambda: len(fleet.routers) == 1 and live(fleet.routers[0]) == {"w0"})
+        await w0.kill()  # no beat, no reply: the registry still has it for a TTL
+        run = asyncio.create_task(client.run(req("dead", "hello there", max_tokens=4), 20.0))
+        await asyncio.sleep(router_settings.router.assign_timeout_s + 0.5)
+        await fleet.add_worker("w0")  # the supervisor's restart
+        out = await run
+        assert isinstance(out[-1], Finished), out
+        (d,) = client.decision("dead")
+        assert d.route.worker_id == "w0"
