@@ -52,7 +52,7 @@ def test_room_is_capacity_plus_the_queue_allowance_less_what_each_worker_holds()
     assert router(settings(), beat("w1", pool="other")).room("default") > 10**9  # no worker
 
 
-async def test_a_full_pool_holds_requests_and_lets_them_go_in_arrival_order() -> None:
+async def test_a_full_pool_holds_requests_and_lets_the_oldest_go_first() -> None:
     r = router(settings(), beat("w1", running=2, capacity=2))
     order: list[str] = []
 
@@ -77,11 +77,12 @@ async def test_a_full_pool_holds_requests_and_lets_them_go_in_arrival_order() ->
     r.registry.on_beat(beat("w1", running=0, capacity=2))
     await until(lambda: len(order) == 2)
     await asyncio.sleep(0.05)  # several sweeps: the third stays held
-    assert order == ["a", "b"] and len(r.held["default"]) == 1
+    # The two oldest go (in the same sweep, so in either order); the newest stays held.
+    assert sorted(order) == ["a", "b"] and len(r.held["default"]) == 1
     # A worker that starts takes the one still held.
     r.registry.on_beat(beat("w2", capacity=2))
     await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
-    assert order == ["a", "b", "c"] and r.held["default"] == []
+    assert order[2] == "c" and r.held["default"] == []
     assert r.beat("router-1").held == {}
 
 
