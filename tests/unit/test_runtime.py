@@ -59,12 +59,13 @@ def test_the_heap_keeper_freezes_survivors_and_sweeps_cycles_among_frozen_object
         s.runtime.gc_freeze_interval_s = 0.05
         s.runtime.gc_sweep_interval_s = 0.5
         ServiceContext(name="t", settings=s).serving(lambda: True)
-        started = gc.get_freeze_count()
         a, b = Node(), Node()
         a.peer, b.peer = b, a
         ref = weakref.ref(a)
         await asyncio.sleep(0.2)
-        assert gc.get_freeze_count() > started  # a and b among them
+        # (Not the freeze count: in a long test run, frozen objects of earlier tests are freed
+        # meanwhile and the count can fall. The cycle outliving a collection shows a and b
+        # were frozen.)
         del a, b
         gc.collect()
         assert ref() is not None  # frozen: the collector does not see the cycle
