@@ -918,19 +918,25 @@ def decode_stream(data: bytes) -> StreamMessage:
     return _stream_decoder.decode(data)
 
 
+def check_fields(req: GenerateRequest) -> None:
+    """``libs.engine.checks.check_request`` on ``req``'s fields (raises BackendError): the one
+    call the wire's ``validate_request`` and the gateway's ``checked`` share."""
+    check_request(
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        messages=req.messages,
+        sampling=req.sampling,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        tool_name=req.tool_name,
+    )
+
+
 def validate_request(req: GenerateRequest) -> None:
     """The engine's checks across fields (``libs.engine.checks.check_request``) and a request
     id usable as a subject token. Raises ProtocolError."""
     try:
-        check_request(
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            messages=req.messages,
-            sampling=req.sampling,
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            tool_name=req.tool_name,
-        )
+        check_fields(req)
     except BackendError as e:
         raise ProtocolError(e.code, str(e), req.request_id) from None
     if not usable_request_id(req.request_id):

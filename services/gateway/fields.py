@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from libs.engine.checks import check_request
 from libs.engine.errors import BackendError
-from libs.protocol import GenerateRequest
+from libs.protocol import GenerateRequest, check_fields
 from services.gateway.errors import ApiError
 
 Api = Literal["chat", "text", "responses"]
@@ -58,15 +57,7 @@ def checked(req: GenerateRequest, fields: OpenAIFields) -> GenerateRequest:
     400 naming the body's field. Called on every request the gateway builds, before it is
     published."""
     try:
-        check_request(
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            messages=req.messages,
-            sampling=req.sampling,
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            tool_name=req.tool_name,
-        )
+        check_fields(req)
     except BackendError as e:
         raise ApiError(400, str(e), e.code, fields.of(e.param)) from None
     return req
