@@ -609,6 +609,19 @@ def main(argv: list[str] | None = None) -> int:
                     "meta": meta[trace],
                     "summaries": [s for s in summaries if s["trace"] == trace],
                     "seconds": {r.mode: seconds(r) for r in runs},
+                    # Per request (diagnosis: which requests missed the SLO, and when).
+                    "requests": {
+                        r.mode: [
+                            {
+                                "t": round(q.t, 3),
+                                "ttft": None if q.ttft is None else round(q.ttft, 3),
+                                "mean_itl": round(sum(q.gaps) / len(q.gaps), 4) if q.gaps else None,
+                                "ok": q.ok,
+                            }
+                            for q in r.reqs
+                        ]
+                        for r in runs
+                    },
                 },
                 indent=1,
             )

@@ -150,6 +150,10 @@ class Fleet:
     # Next worker index of each (pool, role), and the next workers' /metrics port.
     next_index: dict[tuple[str, str], int] = field(default_factory=dict)
     next_port: int = -1  # supervisor.worker_metrics_base_port until the first worker
+    # Warm standbys owed to each (pool, role) for those activated, and when the next may start
+    # loading (planner.standby_refill_s after the last activation or refill: one at a time).
+    refill_owed: dict[tuple[str, str], int] = field(default_factory=dict)
+    refill_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -302,8 +306,8 @@ class Fleet:
         ]
 
     def activate_standby(self, pool: str, role: str) -> Child | None:
-        """Turn one live standby worker of the pool role into a serving one (SIGUSR1) and start
-        a new standby in its place; None when there is none ready."""
+        """Turn one live standby worker of the pool role into a serving one (SIGUSR1) and owe
+        the pool role a new standby (``refill_standby``); None when there is none ready."""
         ready = [
             c
             for c in self.children
@@ -318,11 +322,25 @@ class Fleet:
         # Restarted after a crash it must serve, not wait again.
         c.env["STRAIT_WORKER__STANDBY"] = "false"
         c.name = c.name.removesuffix(" (standby)")
-        spare = self.worker_child(pool, role, standby=True)
-        self.children.append(spare)
-        spare.start()
-        say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
+        key = (pool, role)
+        self.refill_owed[key] = self.refill_owed.get(key, 0) + 1
+        self.refill_at[key] = time.monotonic() + self.settings.planner.standby_refill_s
         return c
+
+    def refill_standby(self, now: float) -> None:
+        """Start one owed standby per pool role once ``planner.standby_refill_s`` has passed
+        since the last activation or refill there: a replacement loads its model on the
+        machine's cores, so it waits for the wave that used its predecessor, and several load
+        one after another, not together."""
+        for key, owed in self.refill_owed.items():
+            if owed <= 0 or now < self.refill_at.get(key, 0.0):
+                continue
+            spare = self.worker_child(*key, standby=True)
+            self.children.append(spare)
+            spare.start()
+            say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
+            self.refill_owed[key] = owed - 1
+            self.refill_at[key] = now + self.settings.planner.standby_refill_s
 
     def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
         """The local actuator's word (services/planner/actuators.py): start workers up to
@@ -358,6 +376,7 @@ class Fleet:
             say(f"{c.name} drained and exited ({code})")
         policy = self.settings.supervisor
         now = time.monotonic()
+        self.refill_standby(now)
         for c in self.children:
             if c.given_up:
                 continue
@@ -512,7 +531,10 @@ def up(settings: Settings, secure: bool = False) -> int:
             if actuator is not None:
                 actuator.poll()
             fleet.watch()
-            time.sleep(WATCH_INTERVAL_S)
+            if actuator is not None:
+                actuator.wait(WATCH_INTERVAL_S)
+            else:
+                time.sleep(WATCH_INTERVAL_S)
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
