@@ -41,6 +41,7 @@ from services.gateway.schemas import (
     StreamOptions,
     UnsupportedField,
     _Strict,
+    bounded,
 )
 
 _JSON = msgspec.json.Encoder()
@@ -102,9 +103,9 @@ class ResponseCreate(_Strict):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]] = Field(default="")
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_output_tokens: int | None = bounded("max_tokens")
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
