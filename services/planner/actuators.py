@@ -1,6 +1,6 @@
 """Actuators: what turns a ``PlanDecision`` into running workers. One interface, two kinds.
 
-- ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor.py). It subscribes
+- ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor/). It subscribes
   to the planner's decisions on a thread of its own and hands each fresh one to the fleet's
   ``scale(pool, role, replicas)``, which starts workers or drains the surplus (SIGTERM: the
   worker's own drain, so nothing running is dropped).

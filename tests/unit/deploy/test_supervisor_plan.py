@@ -1,5 +1,6 @@
-"""`strait up`'s plan (services/supervisor.py ``Fleet.plan``) for aggregated and disaggregated
-pools: which children, with which command, role, pool, worker id and port. Nothing is started.
+"""`strait up`'s plan (services/supervisor/fleet.py ``Fleet.plan``) for aggregated and
+disaggregated pools: which children, with which command, role, pool, worker id and port.
+Nothing is started.
 
 Children read their settings again from the config file their environment names (as under
 `strait up`), so each case is a TOML file, and each child's settings are loaded from exactly the
@@ -18,7 +19,8 @@ import pytest
 
 from libs.settings import Settings
 from services.cli import _parser
-from services.supervisor import Child, Fleet
+from services.supervisor.children import Child
+from services.supervisor.fleet import Fleet
 
 pytestmark = pytest.mark.unit
 
