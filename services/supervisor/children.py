@@ -10,6 +10,7 @@ supervisor's ``/metrics`` (``supervisor.metrics_port``).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,16 @@ class Child:
     given_up: bool = False
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
+        """Start the process. A standby starts with SIGUSR1 blocked (the mask survives exec):
+        an activation sent while it still imports and loads stays pending until the worker
+        arms its handler (services/worker/main.py ``arm_standby``), instead of ending the
+        process by the signal's default action."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}) if self.standby else None
+        try:
+            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
+        finally:
+            if old is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         self.started_at, self.restart_at = time.monotonic(), None
 
     def exited(self, policy: SupervisorSettings, now: float) -> float | None:
