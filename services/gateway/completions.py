@@ -42,7 +42,7 @@ from libs.protocol import (
 )
 from libs.stream_reader import StreamGap, StreamReader
 from libs.telemetry import tracer
-from libs.tools import CALL_OPEN, CallMarkupFilter
+from libs.tools import CallMarkupFilter, content_before_calls
 from services.gateway import metrics
 from services.gateway.errors import ApiError
 from services.gateway.fields import OpenAIFields
@@ -152,12 +152,6 @@ def tool_calls_json(calls: list[ToolCall], streamed: bool = False) -> list[dict[
         }
         out.append({"index": k, **call} if streamed else call)
     return out
-
-
-def content_before_calls(text: str) -> str | None:
-    """A tool-calling choice's own words (before its first call); None when it has none."""
-    at = text.find(CALL_OPEN)
-    return (text[:at] if at >= 0 else text).strip() or None
 
 
 class Accumulator:

@@ -33,6 +33,15 @@ from libs.protocol import (
     ToolChoice,
     ToolFunction,
 )
+from libs.response_items import (
+    ItemError,
+    call_item,
+    format_structured,
+    input_messages,
+    message_item,
+    new_item_id,
+    output_items,
+)
 from libs.tools import CallMarkupFilter
 from services.gateway.completions import CompletionRun
 from services.gateway.errors import ApiError
@@ -60,10 +69,6 @@ UNSUPPORTED_RESPONSE_FIELDS: dict[str, str] = {
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class FunctionTool(_Strict):
@@ -194,96 +199,17 @@ class ResponseCreate(_Strict):
 
     def structured(self) -> StructuredOutput | None:
         fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutput(json={"type": "object"})
-        return StructuredOutput(json=fmt.schema_ or {"type": "object"})
+        return format_structured(fmt.model_dump(by_alias=True) if fmt is not None else None)
 
     def input_messages(self) -> list[ChatMessage]:
         """``input`` as chat messages (a 400 names the first item it cannot take)."""
-        if isinstance(self.input, str):
-            return [ChatMessage(role="user", content=self.input)] if self.input else []
-        out: list[ChatMessage] = []
-        for i, item in enumerate(self.input):
-            try:
-                _add_item(out, item)
-            except ValueError as e:
-                raise ApiError(400, f"input[{i}]: {e}", "invalid_request", f"input[{i}]") from None
-        return out
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError("content must be text or a list of text parts")
-    parts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(
-            part.get("text"), str
-        ):
-            raise ValueError(f"content parts of type {kind!r} are not supported; only text")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def _add_item(out: list[ChatMessage], item: Any) -> None:
-    """Append one input item to the conversation ``out``."""
-    if not isinstance(item, dict):
-        raise ValueError("an input item is an object")
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in ("user", "assistant", "system", "developer"):
-            raise ValueError(f"role {role!r} is not one of user, assistant, system, developer")
-        text = _text_of(item.get("content", ""))
-        out.append(ChatMessage(role="system" if role == "developer" else role, content=text))
-    elif kind == "function_call":
-        call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-        if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
-            raise ValueError("a function_call item needs call_id, name and arguments (text)")
-        call = ToolCall(id=call_id, name=name, arguments=args)
-        last = out[-1] if out else None
-        if last is not None and last.role == "assistant" and not last.tool_call_id:
-            last.tool_calls = [*(last.tool_calls or []), call]
-        else:
-            out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
-    elif kind == "function_call_output":
-        call_id, output = item.get("call_id"), item.get("output")
-        if not isinstance(call_id, str):
-            raise ValueError("a function_call_output item needs the call_id it answers")
-        out.append(ChatMessage(role="tool", content=_text_of(output), tool_call_id=call_id))
-    else:
-        raise ValueError(
-            f"items of type {kind!r} are not supported; "
-            "use message, function_call and function_call_output"
-        )
+        try:
+            return input_messages(self.input)
+        except ItemError as e:
+            raise ApiError(400, str(e), "invalid_request", e.param) from None
 
 
 # ---------------------------------------------------------------- shaping the answer
-
-
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }
-
-
-def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": status,
-    }
 
 
 def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -372,13 +298,11 @@ def whole_response(shape: ResponseShape, chat: dict[str, Any]) -> dict[str, Any]
     """A whole chat completion (``CompletionRun.collect``) as the response's output."""
     choice = chat["choices"][0]
     msg = choice["message"]
-    output: list[dict[str, Any]] = []
-    if msg.get("content"):
-        output.append(message_item(_item_id("msg"), msg["content"]))
-    for c in msg.get("tool_calls") or []:
-        f = c["function"]
-        call = ToolCall(id=c["id"], name=f["name"], arguments=f["arguments"])
-        output.append(call_item(_item_id("fc"), call))
+    calls = [
+        ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in msg.get("tool_calls") or []
+    ]
+    output = output_items(msg.get("content") or "", calls)
     shape.body["model"] = chat["model"]
     shape.body["output"] = output
     u = chat["usage"]
@@ -432,7 +356,7 @@ async def _events(
 
     def open_message() -> list[bytes]:
         nonlocal msg
-        msg = message_item(_item_id("msg"), "", "in_progress")
+        msg = message_item(new_item_id("msg"), "", "in_progress")
         msg["content"] = []
         out.append(msg)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -499,7 +423,7 @@ async def _events(
                 for line in close_message():
                     yield line
             for call in d.tool_calls or []:
-                item = call_item(_item_id("fc"), call, "in_progress")
+                item = call_item(new_item_id("fc"), call, "in_progress")
                 item["arguments"] = ""
                 out.append(item)
                 idx = len(out) - 1
