@@ -75,6 +75,11 @@ class GatewaySettings(Section):
     background_stop_s: float = Field(default=5.0, gt=0)
     """Seconds a stopping gateway waits for its background responses to store themselves
     "failed" (services/gateway/background.py) before it closes the database."""
+    background_lease_s: float = Field(default=30.0, gt=0)
+    """Seconds a background response's lease lasts: the gateway running it renews it every
+    third of this; a response still queued or in_progress whose lease ran out (its gateway was
+    killed) is stored "failed" by the next sweep of any gateway replica (at start, then every
+    third of this)."""
 
 
 class BatchSettings(Section):
