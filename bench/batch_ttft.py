@@ -8,8 +8,9 @@ Run: ``python -m bench.batch_ttft [--lines 1000] [--streams 16] [--seconds 30] [
 batch runner). By default the router, worker and gateway run in this process, on the event loop
 of the bench's own clients; with ``--processes`` each is a process of its own (``strait router``,
 ``strait worker``, ``strait gateway``: the processes ``strait up`` starts,
-``bench.support.procs.ProcessFleet``), and the table adds each process's CPU seconds in each
-run (``/proc``), which says where the batch's work lands.
+``bench.support.procs.ProcessFleet``; the batch runner is ``strait batch``, niced, as
+``strait up`` runs it, or the gateway's own with ``--runner gateway``), and the table adds each
+process's CPU seconds in each run (``/proc``), which says where the batch's work lands.
 """
 
 from __future__ import annotations
@@ -114,7 +115,11 @@ def measure_processes(args: argparse.Namespace, tmp: Path, nats_url: str) -> dic
     from libs.db.keys import ensure_dev_key
 
     s = isolated_settings(tmp, nats_url)  # the same state dir and database as the processes
-    with ProcessFleet(tmp, nats_url, config_toml(args), ready_timeout_s=120) as fleet:
+    fleet = ProcessFleet(tmp, nats_url, config_toml(args), ready_timeout_s=120)
+    if args.runner == "process":  # as `strait up` runs it (batch.runner_process)
+        fleet.env["STRAIT_BATCH__RUNNER_ENABLED"] = "false"  # the gateway's; `strait batch` runs
+        fleet.extra_services.append(("batch", "batch", {}))
+    with fleet:
         key = asyncio.run(ensure_dev_key(s))
         pids = {name: p.pid for name, p in fleet.procs.items()}
         return asyncio.run(runs(args, fleet.base_url, key, pids))
@@ -189,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-inflight", type=int, default=16, help="batch.max_inflight")
     p.add_argument("--capacity", type=int, default=64, help="the FAKE worker's slots")
     p.add_argument("--processes", action="store_true", help="router, worker, gateway as processes")
+    p.add_argument(
+        "--runner",
+        choices=("gateway", "process"),
+        default="process",
+        help="with --processes: the batch runner in the gateway, or `strait batch`",
+    )
     args = p.parse_args(argv)
     from bench.support.services import nats_server
 
