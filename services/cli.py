@@ -1,7 +1,7 @@
 """``strait``: the one entry point.
 
 strait up                    the whole fleet on this machine (foreground)
-router|router|worker|cache
+strait gateway|router|worker|cache|batch
                              one service (for compose and Kubernetes); a worker's role is
                              worker.role or --role (aggregated, prefill, decode)
 strait prefill|decode        strait worker --role prefill / strait worker
