@@ -3,10 +3,14 @@ next streamed chat request when the last ends) for ``--seconds``, first alone, t
 ``--lines``-line batch submitted through the SDK; TTFT p50/p99 of the streams in each run, and
 how the batch went (lines answered while the streams ran, time to complete, each answered once).
 
-Run: ``python -m bench.batch_ttft [--lines 1000] [--streams 16] [--seconds 30]`` (its own
-nats-server and an in-process fleet: router, one FAKE worker, the gateway with its batch
-runner, SQLite under a temporary directory). Everything but nats-server shares one event loop
-with the bench's own clients, so on a small machine the loop's CPU is part of what is measured.
+Run: ``python -m bench.batch_ttft [--lines 1000] [--streams 16] [--seconds 30] [--processes]``
+(its own nats-server, SQLite under a temporary directory, one FAKE worker, the gateway with its
+batch runner). By default the router, worker and gateway run in this process, on the event loop
+of the bench's own clients; with ``--processes`` each is a process of its own (``strait router``,
+``strait worker``, ``strait gateway``: the processes ``strait up`` starts,
+``bench.support.procs.ProcessFleet``; the batch runner is ``strait batch``, niced, as
+``strait up`` runs it, or the gateway's own with ``--runner gateway``), and the table adds each
+process's CPU seconds in each run (``/proc``), which says where the batch's work lands.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -50,12 +55,42 @@ async def streams(base: str, key: str, n: int, seconds: float, max_tokens: int) 
     return ttfts
 
 
-async def measure(args: argparse.Namespace, tmp: Path, nats_url: str) -> dict[str, Any]:
-    from openai import AsyncOpenAI
+def cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
+
+def config_toml(args: argparse.Namespace) -> str:
+    """The fleet's settings: one FAKE pool, the batch runner's in-flight cap, no rate limit."""
+    return f"""
+[gateway]
+response_cache_enabled = false
+default_rpm = 1000000000
+default_tpm = 1000000000
+[batch]
+max_inflight = {args.batch_inflight}
+[fake_engine]
+per_token_s = {args.per_token_s}
+[engine]
+max_num_seqs = {args.capacity}
+[[pools]]
+name = "default"
+model = "fake-model"
+backend = "fake"
+"""
+
+
+async def measure(args: argparse.Namespace, tmp: Path, nats_url: str) -> dict[str, Any]:
+    """The two runs on an in-process fleet (one event loop with the clients)."""
     from bench.support.fleet import GatewayFleet
     from bench.support.services import isolated_settings
     from libs.db.keys import ensure_dev_key
+    from libs.fake_engine import FakeBackend
 
     s = isolated_settings(tmp, nats_url)
     s.pools[0].model, s.pools[0].backend = "fake-model", "fake"
@@ -64,43 +99,77 @@ async def measure(args: argparse.Namespace, tmp: Path, nats_url: str) -> dict[st
     s.batch.max_inflight = args.batch_inflight
     s.gateway.default_rpm = s.gateway.default_tpm = 10**9
     key = await ensure_dev_key(s)
-    out: dict[str, Any] = {}
     async with GatewayFleet(s) as fleet:
-        await fleet.add_worker("w1")
+        await fleet.add_worker(
+            "w1", backend=FakeBackend(s.fake_engine, "fake-model", capacity=args.capacity)
+        )
         base = await fleet.gateway()
         await fleet.wait_workers(1)
-        await streams(base, key, args.streams, 2.0, args.max_tokens)  # warm-up
-        alone = await streams(base, key, args.streams, args.seconds, args.max_tokens)
-        lines = [
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "auto",
-                    "messages": [{"role": "user", "content": f"summarise document {i}"}],
-                    "max_tokens": args.batch_tokens,
-                },
-            }
-            for i in range(args.lines)
-        ]
-        data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
-        async with AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as c:
-            f = await c.files.create(file=("batch.jsonl", data), purpose="batch")
-            t0 = time.monotonic()
-            batch = await c.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            beside = await streams(base, key, args.streams, args.seconds, args.max_tokens)
+        return await runs(args, base, key, {})
+
+
+def measure_processes(args: argparse.Namespace, tmp: Path, nats_url: str) -> dict[str, Any]:
+    """The two runs on a fleet of processes (router, worker, gateway), SQLite in ``tmp``."""
+    from bench.support.procs import ProcessFleet
+    from bench.support.services import isolated_settings
+    from libs.db.keys import ensure_dev_key
+
+    s = isolated_settings(tmp, nats_url)  # the same state dir and database as the processes
+    fleet = ProcessFleet(tmp, nats_url, config_toml(args), ready_timeout_s=120)
+    if args.runner == "process":  # as `strait up` runs it (batch.runner_process)
+        fleet.env["STRAIT_BATCH__RUNNER_ENABLED"] = "false"  # the gateway's; `strait batch` runs
+        fleet.extra_services.append(("batch", "batch", {}))
+    with fleet:
+        key = asyncio.run(ensure_dev_key(s))
+        pids = {name: p.pid for name, p in fleet.procs.items()}
+        return asyncio.run(runs(args, fleet.base_url, key, pids))
+
+
+async def runs(
+    args: argparse.Namespace, base: str, key: str, pids: dict[str, int]
+) -> dict[str, Any]:
+    """Warm up, the streams alone, then beside a batch; with ``pids``, the processes' CPU."""
+    from openai import AsyncOpenAI
+
+    out: dict[str, Any] = {"cpu": {}}
+    await streams(base, key, args.streams, 2.0, args.max_tokens)  # warm-up
+    c0 = cpu_s(pids)
+    alone = await streams(base, key, args.streams, args.seconds, args.max_tokens)
+    c1 = cpu_s(pids)
+    out["cpu"]["alone"] = {n: round(c1[n] - c0[n], 1) for n in pids}
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "auto",
+                "messages": [{"role": "user", "content": f"summarise document {i}"}],
+                "max_tokens": args.batch_tokens,
+            },
+        }
+        for i in range(args.lines)
+    ]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    async with AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as c:
+        f = await c.files.create(file=("batch.jsonl", data), purpose="batch")
+        t0 = time.monotonic()
+        batch = await c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        c0 = cpu_s(pids)
+        beside = await streams(base, key, args.streams, args.seconds, args.max_tokens)
+        c1 = cpu_s(pids)
+        out["cpu"]["beside"] = {n: round(c1[n] - c0[n], 1) for n in pids}
+        b = await c.batches.retrieve(batch.id)
+        during = b.request_counts.completed if b.request_counts else 0
+        while b.status not in ("completed", "failed", "cancelled", "expired"):
+            await asyncio.sleep(0.2)
             b = await c.batches.retrieve(batch.id)
-            during = b.request_counts.completed if b.request_counts else 0
-            while b.status not in ("completed", "failed", "cancelled", "expired"):
-                await asyncio.sleep(0.2)
-                b = await c.batches.retrieve(batch.id)
-            batch_s = time.monotonic() - t0
-            assert b.output_file_id is not None
-            text = (await c.files.content(b.output_file_id)).text
-            ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
+        batch_s = time.monotonic() - t0
+        assert b.output_file_id is not None
+        text = (await c.files.content(b.output_file_id)).text
+        ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
     out["alone"] = alone
     out["beside"] = beside
     out["batch"] = {
@@ -123,11 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-tokens", type=int, default=16, help="tokens of a batch line's answer")
     p.add_argument("--per-token-s", type=float, default=0.01, help="the FAKE worker's step")
     p.add_argument("--batch-inflight", type=int, default=16, help="batch.max_inflight")
+    p.add_argument("--capacity", type=int, default=64, help="the FAKE worker's slots")
+    p.add_argument("--processes", action="store_true", help="router, worker, gateway as processes")
+    p.add_argument(
+        "--runner",
+        choices=("gateway", "process"),
+        default="process",
+        help="with --processes: the batch runner in the gateway, or `strait batch`",
+    )
     args = p.parse_args(argv)
     from bench.support.services import nats_server
 
     with tempfile.TemporaryDirectory() as d, nats_server(Path(d)) as url:
-        r = asyncio.run(measure(args, Path(d), url))
+        if args.processes:
+            r = measure_processes(args, Path(d), url)
+        else:
+            r = asyncio.run(measure(args, Path(d), url))
     print(
         "| interactive streams | requests | TTFT p50 ms | TTFT p99 ms |\n| --- | --- | --- | --- |"
     )
@@ -137,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = percentile(r["beside"], 99) / percentile(r["alone"], 99)
     print(f"\nTTFT p99 beside the batch / alone: {ratio:.2f}x")
     print("batch:", json.dumps(r["batch"]))
+    if r["cpu"].get("alone"):
+        print("CPU seconds per process (alone -> beside):", json.dumps(r["cpu"]))
     return 0
 
 

@@ -168,6 +168,12 @@ def parse_tool_calls(text: str, tools: list[ToolFunction]) -> tuple[str, list[To
     return text[:start].strip(), calls
 
 
+def content_before_calls(text: str) -> str | None:
+    """A tool-calling choice's own words (before its first call); None when it has none."""
+    at = text.find(CALL_OPEN)
+    return (text[:at] if at >= 0 else text).strip() or None
+
+
 class CallMarkupFilter:
     """Streamed text as content, minus anything from the first ``<tool_call>`` on.
 

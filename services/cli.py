@@ -1,11 +1,12 @@
 """``strait``: the one entry point.
 
 strait up                    the whole fleet on this machine (foreground)
-strait gateway|router|worker|cache
+strait gateway|router|worker|cache|batch
                              one service (for compose and Kubernetes); a worker's role is
                              worker.role or --role (aggregated, prefill, decode)
 strait prefill|decode        strait worker --role prefill / strait worker
 strait planner               size every pool ahead of its load (docs/planner.md)
+strait batch                 the Batch API's runner as a process of its own (decision 0028)
 strait up --secure           the same behind a secured nats-server (accounts per team, TLS)
 strait keys create|list|revoke
 strait teams add|list|revoke teams on NATS: credentials and the server's accounts
@@ -33,7 +34,7 @@ import msgspec
 
 from libs.settings import Settings, get_settings
 
-SERVICES = ("gateway", "router", "worker", "prefill", "decode", "cache", "planner")
+SERVICES = ("gateway", "router", "worker", "prefill", "decode", "cache", "planner", "batch")
 WORKER_ROLES = ("aggregated", "prefill", "decode")
 # `strait bench NAME`: the module whose `main(argv) -> int` it runs, imported then (see above).
 BENCHES = {
@@ -288,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
 
         role = "prefill" if args.cmd == "prefill" else getattr(args, "role", None)
         return worker_main(settings, role)
+    if args.cmd == "batch":
+        from services.gateway.batch_main import main as batch_main
+
+        return batch_main(settings)
     if args.cmd == "cache":
         from services.cache.main import main as cache_main
 

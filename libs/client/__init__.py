@@ -33,6 +33,7 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
+from libs.client.respond import Response, ResponseOptions
 
 __all__ = [
     "ERROR_CLASSES",
@@ -52,6 +53,8 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "RequestOptions",
+    "Response",
+    "ResponseOptions",
     "Retryable",
     "StraitClient",
     "StraitError",

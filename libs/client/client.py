@@ -45,6 +45,14 @@ from libs.client.errors import (
     error_from_message,
 )
 from libs.client.observe import Observer
+from libs.client.respond import (
+    InputItems,
+    Response,
+    ResponseOptions,
+    ToolChoiceLike,
+    request_options,
+    response_of,
+)
 from libs.nats_util import DEDUPE_HEADER, auth_options, publish_acked, server_urls
 from libs.protocol import (
     CancelRequest,
@@ -344,6 +352,34 @@ class StraitClient:
                     calls[d.index] = d.tool_calls
         assert gen.finished is not None
         return Completion(gen.request_id, texts, reasons, gen.finished, gen.route, token_ids, calls)
+
+    async def respond(
+        self,
+        input: InputItems,
+        *,
+        instructions: str | None = None,
+        tools: Sequence[ToolFunction | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoiceLike = None,
+        text_format: Mapping[str, Any] | None = None,
+        max_output_tokens: int | None = None,
+        **opts: Unpack[ResponseOptions],
+    ) -> Response:
+        """One request in the Responses API's terms (``libs.client.respond``): ``input`` as
+        text or items, ``instructions``, function ``tools`` as Responses writes them,
+        ``tool_choice``, ``text_format`` (``text.format``) and ``max_output_tokens``; the answer
+        as output items. ``response.follow_up({call_id: output})`` is the next turn's input."""
+        fields = request_options(
+            input, instructions, tools, tool_choice, text_format, max_output_tokens
+        )
+        done = await self.complete(**cast(RequestOptions, {**fields, **opts}))
+        return response_of(
+            done.request_id,
+            input,
+            done.text,
+            done.finish_reasons[0],
+            done.tool_calls[0],
+            done.finished,
+        )
 
     def submit_raw(
         self, payload: bytes, request_id: str, *, first_token_timeout_s: float = 10.0

@@ -173,7 +173,7 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "BatchLine",
         "JetStream (stream `STRAIT_BATCH`, `Nats-Msg-Id` `<batch_id>:<line>`)",
         "gateway (`POST /v1/batches`: one message per line of the input file)",
-        "batch runners in the gateways (durable consumer; acked once the line's result is stored)",
+        "batch runners (`strait batch`, or in the gateways: durable consumer; acked once the line's result is stored)",
         False,
     ),
     "batch_all": SubjectDoc(

@@ -11,6 +11,10 @@ asyncpg in compose and tests (``database.pg_schema`` puts the tables in one sche
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +56,13 @@ def make_engine(url: str, pg_schema: str = "", echo: bool = False) -> AsyncEngin
 class Database:
     def __init__(self, settings: Settings, url: str | None = None) -> None:
         self.url = url or settings.database_url
+        self.sqlite_file: Path | None = None
         if self.url.startswith("sqlite"):
             # The embedded default lives in the state dir, which may not exist yet.
             path = self.url.split(":///", 1)[-1]
             if path and path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self.sqlite_file = Path(path)
         self.engine = make_engine(self.url, settings.database.pg_schema, settings.database.echo)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
 
@@ -68,7 +74,20 @@ class Database:
         return self.sessions()
 
     async def migrate(self) -> None:
-        """Upgrade to the newest revision; safe to call from every replica at once."""
+        """Upgrade to the newest revision; safe to call from every replica at once: an advisory
+        lock on PostgreSQL, a lock file beside the SQLite file (SQLite's DDL is not in the
+        transaction, so two processes migrating a new file at once would both create tables:
+        the gateway and `strait batch` starting together)."""
+        if self.sqlite_file is not None:
+            lock = await asyncio.to_thread(
+                _file_lock, self.sqlite_file.with_name(self.sqlite_file.name + ".migrate-lock")
+            )
+            with lock:
+                await self._migrate()
+            return
+        await self._migrate()
+
+    async def _migrate(self) -> None:
         async with self.engine.begin() as conn:
             if self.dialect == "postgresql":
                 await conn.execute(text(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_ID})"))
@@ -76,6 +95,22 @@ class Database:
 
     async def close(self) -> None:
         await self.engine.dispose()
+
+
+def _file_lock(path: Path) -> contextlib.AbstractContextManager[None]:
+    """An exclusive lock on ``path`` (created), taken now (blocking); released on exit."""
+    f = open(path, "a")
+    fcntl.flock(f, fcntl.LOCK_EX)
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+
+    return held()
 
 
 def _upgrade(conn: Connection) -> None:

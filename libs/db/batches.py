@@ -126,25 +126,36 @@ class BatchStore:
             row.body = {**row.body, f"{status}_at": int(time.time()), **fields}
             return True
 
-    async def has_result(self, batch_id: str, line: int) -> bool:
+    async def line_state(self, batch_id: str, line: int) -> tuple[BatchRow | None, bool]:
+        """A line's batch (any key's) and whether the line has its answer, in one session (the
+        runner asks both for every line it takes)."""
         async with self.db.session() as s:
-            return await s.get(BatchResult, (batch_id, line)) is not None
+            row = await s.get(BatchRow, batch_id)
+            answered = row is not None and await s.get(BatchResult, (batch_id, line)) is not None
+            return row, answered
 
-    async def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> bool:
-        """The answer to ``line``, once: False if the line already had one (a redelivery)."""
+    async def record(
+        self, batch_id: str, line: int, ok: bool, result: dict[str, Any]
+    ) -> tuple[bool, bool]:
+        """The answer to ``line``, once: (whether this call stored it, False for a redelivery;
+        whether every line of the batch has its answer now, from the same UPDATE)."""
         try:
             async with self.db.session() as s, s.begin():
                 if await s.get(BatchResult, (batch_id, line)) is not None:
-                    return False
+                    return False, False
                 s.add(BatchResult(batch_id=batch_id, line=line, ok=ok, result=result))
                 await s.flush()
                 counter = BatchRow.completed if ok else BatchRow.failed
-                await s.execute(
-                    update(BatchRow).where(BatchRow.id == batch_id).values({counter: counter + 1})
+                r = await s.execute(
+                    update(BatchRow)
+                    .where(BatchRow.id == batch_id)
+                    .values({counter: counter + 1})
+                    .returning(BatchRow.completed + BatchRow.failed >= BatchRow.total)
                 )
+                all_answered = bool(r.scalar_one_or_none())
         except IntegrityError:  # another runner committed the same line first
-            return False
-        return True
+            return False, False
+        return True, all_answered
 
     async def finalize(
         self, batch_id: str, status: str, from_statuses: list[str]

@@ -92,8 +92,15 @@ class StoredResponse(Base):
     # The conversation it ends, as chat messages (libs.protocol.ChatMessage, without the
     # request's instructions, which a follow-up does not inherit), its own output last.
     history: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    # A background response while it runs: the gateway process running it, and until when that
+    # gateway has said it still does (services.gateway.background; None for the others).
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
-    __table_args__ = (Index("ix_responses_api_key_id_created_at", "api_key_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_responses_api_key_id_created_at", "api_key_id", "created_at"),
+        Index("ix_responses_lease_until", "lease_until"),
+    )
 
 
 class StoredFile(Base):

@@ -2,7 +2,9 @@
 scoped to the API key that created the response (another key's id reads as absent). A
 background response (``services.gateway.background``) is put when it is queued and moved on by
 ``advance``, which only writes while the stored status is still one the writer expects, so a
-cancel and the run's own end cannot overwrite each other."""
+cancel and the run's own end cannot overwrite each other. While it runs it carries the
+``owner`` gateway process and a ``lease_until`` that owner renews (``renew``); ``expired``
+and ``reap`` find and end the ones whose owner stopped renewing (killed)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,11 @@ class ResponseStore:
         api_key_id: str | None,
         body: dict[str, Any],
         history: list[dict[str, Any]],
+        owner: str | None = None,
+        lease_until: datetime | None = None,
     ) -> None:
-        """Insert or replace (a background response is put when it starts and when it ends)."""
+        """Insert or replace (a background response is put when it starts, with its ``owner``
+        and ``lease_until``, and when it ends)."""
         async with self.db.session() as s, s.begin():
             row = await s.get(StoredResponse, response_id)
             if row is None:
@@ -47,6 +52,8 @@ class ResponseStore:
                         created_at=datetime.now(UTC),
                         body=body,
                         history=history,
+                        owner=owner,
+                        lease_until=lease_until,
                     )
                 )
             elif row.api_key_id == api_key_id:
@@ -79,5 +86,50 @@ class ResponseStore:
                 update(StoredResponse)
                 .where(*_owned(response_id, api_key_id), status.in_(from_statuses))
                 .values(body=body, history=history)
+            )
+            return bool(getattr(r, "rowcount", 0))
+
+    async def renew(self, owner: str, lease_until: datetime, active: tuple[str, ...]) -> int:
+        """Extend the lease of every response ``owner`` still runs (status in ``active``): one
+        UPDATE for all of them; returns how many."""
+        status = StoredResponse.body["status"].as_string()
+        async with self.db.session() as s, s.begin():
+            r = await s.execute(
+                update(StoredResponse)
+                .where(StoredResponse.owner == owner, status.in_(active))
+                .values(lease_until=lease_until)
+            )
+            return int(getattr(r, "rowcount", 0))
+
+    async def expired(
+        self, now: datetime, active: tuple[str, ...], limit: int
+    ) -> list[StoredResponse]:
+        """Up to ``limit`` responses still in ``active`` whose lease ended before ``now``."""
+        status = StoredResponse.body["status"].as_string()
+        async with self.db.session() as s:
+            q = (
+                select(StoredResponse)
+                .where(StoredResponse.lease_until < now, status.in_(active))
+                .order_by(StoredResponse.lease_until)
+                .limit(limit)
+            )
+            return list((await s.execute(q)).scalars())
+
+    async def reap(
+        self, row: StoredResponse, body: dict[str, Any], now: datetime, active: tuple[str, ...]
+    ) -> bool:
+        """Store ``body`` (the response ``failed``) for ``row`` if it is still in ``active``
+        and its lease still ended before ``now``: an owner that renewed meanwhile, or a run
+        that ended, wins. One conditional UPDATE."""
+        status = StoredResponse.body["status"].as_string()
+        async with self.db.session() as s, s.begin():
+            r = await s.execute(
+                update(StoredResponse)
+                .where(
+                    StoredResponse.id == row.id,
+                    StoredResponse.lease_until < now,
+                    status.in_(active),
+                )
+                .values(body=body, lease_until=None)
             )
             return bool(getattr(r, "rowcount", 0))

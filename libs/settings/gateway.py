@@ -75,6 +75,11 @@ class GatewaySettings(Section):
     background_stop_s: float = Field(default=5.0, gt=0)
     """Seconds a stopping gateway waits for its background responses to store themselves
     "failed" (services/gateway/background.py) before it closes the database."""
+    background_lease_s: float = Field(default=30.0, gt=0)
+    """Seconds a background response's lease lasts: the gateway running it renews it every
+    third of this; a response still queued or in_progress whose lease ran out (its gateway was
+    killed) is stored "failed" by the next sweep of any gateway replica (at start, then every
+    third of this)."""
 
 
 class BatchSettings(Section):
@@ -84,7 +89,15 @@ class BatchSettings(Section):
 
     runner_enabled: bool = True
     """Run a batch runner (the JetStream consumer of the lines) in each gateway process;
-    replicas share its durable consumer. Off: batches are accepted and wait for a runner."""
+    replicas share its durable consumer. Off: batches are accepted and wait for a runner (a
+    `strait batch` process runs one whatever this says)."""
+    runner_process: bool = True
+    """`strait up` runs the batch runner as a process of its own (`strait batch`, niced by
+    runner_nice) and turns the gateway's off (decision 0028); false: in the gateway, as
+    runner_enabled says."""
+    runner_nice: int = Field(default=10, ge=0, le=19)
+    """Niceness `strait batch` adds to itself: the kernel gives the CPU to interactive
+    processes first (0: as they are)."""
     durable: str = "batch"
     """Name of the runners' durable JetStream consumer of the lines."""
     max_inflight: int = Field(default=16, ge=1)

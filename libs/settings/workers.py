@@ -40,6 +40,11 @@ class WorkerSettings(Section):
     standby: bool = False
     """Warm standby (docs/planner.md): load the model and connect, then wait for SIGUSR1 before
     beating and taking work (`strait up` sets it for `planner.warm_standby` workers)."""
+    batch_delta_tokens: int = Field(default=16, ge=1)
+    """Tokens a `priority: "batch"` request's stream delta carries (its choice's last delta
+    fewer): batch answers are read whole, and each delta costs the worker, nats-server, the
+    router and the reader work beside interactive requests (services/worker/coalesce.py;
+    aggregated workers). 1: a delta a token, as interactive requests always get."""
     resend_window: int = 256
     """Stream messages each stream keeps for readers that lost some (ResendRequest); 0: no
     resends."""

@@ -76,6 +76,8 @@ def create_app(
                 await ledger.start()
             app.state.ledger = ledger
             app.state.responses = ResponseStore(db) if g.store_responses and db else None
+            if app.state.responses is not None:
+                app.state.background.start_keeper(app.state.responses)
             app.state.batches = BatchStore(db) if db else None
             if db is not None and settings.batch.runner_enabled:
                 runner = BatchRunner(settings, fleet, app.state.batches)
@@ -105,7 +107,7 @@ def create_app(
     app.state.responses = None
     app.state.batches = None
     app.state.batch_runner = None
-    app.state.background = BackgroundRuns()
+    app.state.background = BackgroundRuns(g.background_lease_s)
     app.state.limiter = limiter = RateLimiter(g.default_rpm, g.default_tpm)
     app.state.cache = cache = ResponseCache(g)
     install_handlers(app)

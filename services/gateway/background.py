@@ -8,13 +8,23 @@ here as a task of this gateway replica (``BackgroundRuns``). The stored status m
 expects: a ``cancel`` (``cancelled``) or a ``DELETE`` that lands first wins, and the task's
 later writes are no-ops. The request itself is a chat request like a foreground one (same
 admission, rate limits, ledger row); its whole answer is shaped by ``whole_response``.
+
+A gateway killed outright cannot store its responses ``failed``: each running response carries
+its gateway's ``owner`` id and a lease (``gateway.background_lease_s``) that gateway renews every
+third of it (``BackgroundRuns.keep_leases``, one UPDATE for all its responses). Every replica's
+keeper also sweeps, at start and then every third of the lease: a response still ``queued`` /
+``in_progress`` whose lease ran out is stored ``failed`` (``server_error``), by the same kind of
+conditional write, so an owner that renewed in between or a run that ended wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -32,6 +42,9 @@ log = logging.getLogger("strait.gateway")
 ACTIVE = ("queued", "in_progress")
 # Statuses a follow-up's previous_response_id may name: the response has its whole output.
 ENDED_WITH_OUTPUT = ("completed", "incomplete")
+# Expired responses one sweep reads at a time (it reads again until fewer come back).
+SWEEP_PAGE = 100
+LOST_OWNER = "the gateway running this response stopped before it ended (its lease ran out)"
 
 
 def pending_history(conversation: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -43,8 +56,49 @@ def pending_history(conversation: list[ChatMessage]) -> list[dict[str, Any]]:
 class BackgroundRuns:
     """The background responses this replica runs: one task each, by response id."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease_s: float) -> None:
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.lease_s = lease_s
+        self.owner = f"gw-{uuid.uuid4().hex[:16]}"  # this process, in the rows it runs
+        self._keeper: asyncio.Task[None] | None = None
+
+    def lease_until(self) -> datetime:
+        return datetime.now(UTC) + timedelta(seconds=self.lease_s)
+
+    def start_keeper(self, store: ResponseStore) -> None:
+        """Renew this replica's leases and sweep expired ones, from now on (``keep_leases``)."""
+        self._keeper = asyncio.create_task(self.keep_leases(store), name="background leases")
+
+    async def keep_leases(self, store: ResponseStore) -> None:
+        while True:
+            try:
+                if self.tasks:
+                    await store.renew(self.owner, self.lease_until(), ACTIVE)
+                await self.sweep(store)
+            except Exception as e:  # the database is away: try again next round
+                log.warning("background leases not kept", extra=fields(error=repr(e)))
+            await asyncio.sleep(self.lease_s / 3)
+
+    async def sweep(self, store: ResponseStore) -> list[str]:
+        """Store ``failed`` every running response whose lease ran out; returns their ids."""
+        reaped: list[str] = []
+        while True:
+            now = datetime.now(UTC)
+            rows = await store.expired(now, ACTIVE, SWEEP_PAGE)
+            for row in rows:
+                body = {
+                    **row.body,
+                    "status": "failed",
+                    "error": {"code": "server_error", "message": LOST_OWNER},
+                }
+                if await store.reap(row, body, now, ACTIVE):
+                    reaped.append(row.id)
+                    log.warning(
+                        "background response failed: its gateway is gone",
+                        extra=fields(request_id=row.id, owner=row.owner),
+                    )
+            if len(rows) < SWEEP_PAGE:
+                return reaped
 
     def start(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work, name=f"background-response {response_id}")
@@ -72,6 +126,10 @@ class BackgroundRuns:
     async def stop(self, timeout_s: float) -> None:
         """The gateway is stopping: cancel every task (each stores itself ``failed``) and wait
         up to ``timeout_s`` for them."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         tasks = list(self.tasks.values())
         for t in tasks:
             t.cancel()

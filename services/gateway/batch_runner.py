@@ -146,11 +146,13 @@ class BatchRunner:
                 await msg.in_progress()
 
     async def handle(self, line: BatchLine, msg: Any) -> None:
-        batch = await self.store.get_batch(line.batch_id, ANY_KEY)
+        # Two database sessions a line: its state, then its answer (which says whether the
+        # batch is complete): each costs CPU on the machine interactive requests run on.
+        batch, answered = await self.store.line_state(line.batch_id, line.index)
         if batch is None or batch.status in DONE or batch.status == "cancelling":
             await msg.ack()
             return
-        if await self.store.has_result(line.batch_id, line.index):
+        if answered:
             await msg.ack()  # answered before; only its ack was lost
             await self.maybe_complete(line.batch_id)
             return
@@ -159,10 +161,12 @@ class BatchRunner:
         if retry and attempt < self.cfg.max_attempts:
             await msg.nak(delay=self.cfg.retry_s)
             return
-        if await self.store.record(line.batch_id, line.index, ok, result):
+        stored, complete = await self.store.record(line.batch_id, line.index, ok, result)
+        if stored:
             self.answered += 1
         await msg.ack()
-        await self.maybe_complete(line.batch_id)
+        if complete or not stored:
+            await self.maybe_complete(line.batch_id)
 
     # ------------------------------------------------------------ run
 

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from libs.protocol import Finished, LogprobEntry, TokenDelta, ToolCall
-from libs.tools import CALL_OPEN
+from libs.tools import content_before_calls
 from services.gateway.errors import ApiError
 
 _JSON = msgspec.json.Encoder()
@@ -73,12 +73,6 @@ def tool_calls_json(calls: list[ToolCall], streamed: bool = False) -> list[dict[
         }
         out.append({"index": k, **call} if streamed else call)
     return out
-
-
-def content_before_calls(text: str) -> str | None:
-    """A tool-calling choice's own words (before its first call); None when it has none."""
-    at = text.find(CALL_OPEN)
-    return (text[:at] if at >= 0 else text).strip() or None
 
 
 class Accumulator:

@@ -11,44 +11,19 @@ and ``function_call`` output items, or as the SDK's stream events (``response_ev
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
 from libs.protocol import ChatMessage, StreamMessage, ToolCall
+from libs.response_items import call_item, message_item, new_item_id, output_items
 from libs.tools import CallMarkupFilter
 from services.gateway.completions import CompletionRun
 from services.gateway.errors import ApiError
 from services.gateway.responses import FunctionChoice, ResponseCreate
 
 _JSON = msgspec.json.Encoder()
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }
-
-
-def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": status,
-    }
 
 
 def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -137,13 +112,11 @@ def whole_response(shape: ResponseShape, chat: dict[str, Any]) -> dict[str, Any]
     """A whole chat completion (``CompletionRun.collect``) as the response's output."""
     choice = chat["choices"][0]
     msg = choice["message"]
-    output: list[dict[str, Any]] = []
-    if msg.get("content"):
-        output.append(message_item(_item_id("msg"), msg["content"]))
-    for c in msg.get("tool_calls") or []:
-        f = c["function"]
-        call = ToolCall(id=c["id"], name=f["name"], arguments=f["arguments"])
-        output.append(call_item(_item_id("fc"), call))
+    calls = [
+        ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in msg.get("tool_calls") or []
+    ]
+    output = output_items(msg.get("content") or "", calls)
     shape.body["model"] = chat["model"]
     shape.body["output"] = output
     u = chat["usage"]
@@ -197,7 +170,7 @@ async def _events(
 
     def open_message() -> list[bytes]:
         nonlocal msg
-        msg = message_item(_item_id("msg"), "", "in_progress")
+        msg = message_item(new_item_id("msg"), "", "in_progress")
         msg["content"] = []
         out.append(msg)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -264,7 +237,7 @@ async def _events(
                 for line in close_message():
                     yield line
             for call in d.tool_calls or []:
-                item = call_item(_item_id("fc"), call, "in_progress")
+                item = call_item(new_item_id("fc"), call, "in_progress")
                 item["arguments"] = ""
                 out.append(item)
                 idx = len(out) - 1

@@ -185,7 +185,14 @@ def install_response_routes(
         response_id = shape.body["id"]
         try:
             admit_capacity(req.model)
-            await store.put(response_id, key.key_id, shape.body, pending_history(conversation))
+            await store.put(
+                response_id,
+                key.key_id,
+                shape.body,
+                pending_history(conversation),
+                background.owner,
+                background.lease_until(),
+            )
         except BaseException:
             limiter.settle(key, reserved, 0)
             limiter.refund_request(key)

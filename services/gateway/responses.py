@@ -23,10 +23,10 @@ from pydantic import Field, model_validator
 from libs.protocol import (
     ChatMessage,
     StructuredOutput,
-    ToolCall,
     ToolChoice,
     ToolFunction,
 )
+from libs.response_items import ItemError, format_structured, input_messages
 from services.gateway.errors import ApiError
 from services.gateway.schemas import (
     _NAME,
@@ -181,69 +181,12 @@ class ResponseCreate(_Strict):
 
     def structured(self) -> StructuredOutput | None:
         fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutput(json={"type": "object"})
-        return StructuredOutput(json=fmt.schema_ or {"type": "object"})
+        return format_structured(fmt.model_dump(by_alias=True) if fmt is not None else None)
 
     def input_messages(self) -> list[ChatMessage]:
         """``input`` as chat messages (a 400 names the first item it cannot take)."""
-        if isinstance(self.input, str):
-            return [ChatMessage(role="user", content=self.input)] if self.input else []
-        out: list[ChatMessage] = []
-        for i, item in enumerate(self.input):
-            try:
-                _add_item(out, item)
-            except ValueError as e:
-                raise ApiError(400, f"input[{i}]: {e}", "invalid_request", f"input[{i}]") from None
-        return out
+        try:
+            return input_messages(self.input)
+        except ItemError as e:
+            raise ApiError(400, str(e), "invalid_request", e.param) from None
 
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError("content must be text or a list of text parts")
-    parts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(
-            part.get("text"), str
-        ):
-            raise ValueError(f"content parts of type {kind!r} are not supported; only text")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def _add_item(out: list[ChatMessage], item: Any) -> None:
-    """Append one input item to the conversation ``out``."""
-    if not isinstance(item, dict):
-        raise ValueError("an input item is an object")
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in ("user", "assistant", "system", "developer"):
-            raise ValueError(f"role {role!r} is not one of user, assistant, system, developer")
-        text = _text_of(item.get("content", ""))
-        out.append(ChatMessage(role="system" if role == "developer" else role, content=text))
-    elif kind == "function_call":
-        call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-        if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
-            raise ValueError("a function_call item needs call_id, name and arguments (text)")
-        call = ToolCall(id=call_id, name=name, arguments=args)
-        last = out[-1] if out else None
-        if last is not None and last.role == "assistant" and not last.tool_call_id:
-            last.tool_calls = [*(last.tool_calls or []), call]
-        else:
-            out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
-    elif kind == "function_call_output":
-        call_id, output = item.get("call_id"), item.get("output")
-        if not isinstance(call_id, str):
-            raise ValueError("a function_call_output item needs the call_id it answers")
-        out.append(ChatMessage(role="tool", content=_text_of(output), tool_call_id=call_id))
-    else:
-        raise ValueError(
-            f"items of type {kind!r} are not supported; "
-            "use message, function_call and function_call_output"
-        )

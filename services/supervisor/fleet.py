@@ -74,7 +74,12 @@ class Fleet:
             for role, count in kinds:
                 for _ in range(count):
                     self.children.append(self.worker_child(pool.name, role))
-        self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
+        if self.settings.batch.runner_process:
+            self.children.append(Child("batch", [*cli, "batch"], self.child_env()))
+            gateway_env = self.child_env(STRAIT_BATCH__RUNNER_ENABLED="false")
+        else:
+            gateway_env = self.child_env()
+        self.children.append(Child("gateway", [*cli, "gateway"], gateway_env))
         if self.settings.planner.enabled:
             self.children.append(Child("planner", [*cli, "planner"], self.child_env()))
             for pool in self.settings.pools:

@@ -28,6 +28,7 @@ from libs.stream_writer import StreamWriter
 from libs.tools import ToolCallCollector, ToolSpec, constraint_kind
 from services.worker import metrics
 from services.worker.base import Worker
+from services.worker.coalesce import DeltaHold
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class AggregatedWorker(Worker):
                 # Every delta was streamed; only the stream's end was lost with the worker.
                 await self.send_finished(out, a, usage, None, time.perf_counter() - started)
                 return
+            tokens = self.settings.worker.batch_delta_tokens
+            hold = DeltaHold(tokens) if req.priority == "batch" and tokens > 1 else None
             gen = self.backend.generate(key, prompt, req.sampling, req.priority, start.resume)
             async for chunk in gen:
                 now = time.perf_counter()
@@ -154,7 +157,13 @@ class AggregatedWorker(Worker):
                     if handoff
                     else min(chunk.num_cached_tokens, usage.prompt_tokens)
                 )
-                await self.send_chunk(out, chunk, calls.add(chunk) if calls else None)
+                found = calls.add(chunk) if calls else None
+                if hold is not None:
+                    held = hold.add(chunk, last=found is not None)
+                    if held is None:
+                        continue
+                    chunk = held
+                await self.send_chunk(out, chunk, found)
             total = ttft_offset + time.perf_counter() - started
             await self.send_finished(out, a, usage, ttft, total)
         except (Exception, asyncio.CancelledError) as e:

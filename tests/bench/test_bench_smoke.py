@@ -119,6 +119,12 @@ RUNS = [
         "--lines 4 --streams 2 --seconds 1 --max-tokens 4 --batch-tokens 4 --batch-inflight 2",
         (r"\| alone \| \d+ \|", r'"status": "completed"'),
     ),
+    Run(
+        "batch_ttft",
+        "--processes --lines 4 --streams 2 --seconds 1 --max-tokens 4 --batch-tokens 4 "
+        "--batch-inflight 2",
+        (r"\| beside \| \d+ \|", r'"status": "completed"', r'"batch": [\d.]+'),
+    ),
     Run("security", "--requests 3", (r"request p50 [\d.]+ ms", r"revoke:")),
     Run(
         "gateway_load",

@@ -4,7 +4,10 @@
 ``\\d{3}-\\d{4}`` end well within ``max_tokens`` with valid output; ``chat.completions.parse``
 with a pydantic model of an int, a float, a string and a list holds on 10 of 10 prompts; and
 ``responses.create`` plain, streamed, with a function tool and its output round trip, and with
-``text.format`` JSON schema."""
+``text.format`` JSON schema; and the OpenAI Agents SDK on its default Responses model with one
+function tool (forced on the first turn: SmolLM2-135M rarely calls a tool unasked; the SDK resets
+``tool_choice`` after the tool ran) -- the tool runs once with parsed arguments, its output goes
+back, and the run ends with a final output (its wording is the small model's, not asserted)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Annotated
 
+import agents
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
@@ -42,6 +46,29 @@ WEATHER = {
 }
 SUBJECTS = ["Paris", "the Moon", "a bicycle", "Mount Fuji", "the Nile", "a violin", "Lima",
             "a tiger", "the Internet", "coffee"]  # fmt: skip
+
+
+def forecaster(model: object, calls: list[str]) -> agents.Agent:
+    """An agent with one function tool whose argument the model must write (bounded, so the
+    forced call ends)."""
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=32)]) -> str:
+        """Current weather in a city.
+
+        Args:
+            city: the city's name.
+        """
+        calls.append(city)
+        return f"18 degrees and sunny in {city}"
+
+    return agents.Agent(
+        name="forecaster",
+        instructions="Answer the weather question using the tool.",
+        model=model,  # type: ignore[arg-type]
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+    )
 
 
 class Facts(BaseModel):
@@ -169,6 +196,26 @@ def test_structured_cases_and_responses_on_the_real_model(
                 )
                 assert fmt.status == "completed"
                 assert set(json.loads(fmt.output_text)) == {"name", "population"}
+
+                # The Agents SDK on its default model (OpenAIResponsesModel), one function tool.
+                agents.set_tracing_disabled(True)  # its default exports traces to OpenAI
+                calls: list[str] = []
+                result = await agents.Runner.run(
+                    forecaster(agents.OpenAIResponsesModel("auto", client), calls),
+                    "What is the weather in Lima?",
+                    run_config=agents.RunConfig(tracing_disabled=True),
+                    max_turns=3,
+                )
+                assert len(calls) == 1 and 0 < len(calls[0]) <= 32, calls
+                kinds = [item.type for item in result.new_items]
+                assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
+                assert kinds[-1] == "message_output_item", kinds
+                assert result.new_items[1].output == f"18 degrees and sunny in {calls[0]}"
+                assert isinstance(result.final_output, str) and result.final_output.strip()
+                # The tool's output went back to the model: the last response's stored input.
+                items = await client.responses.input_items.list(result.last_response_id)
+                sent = [i for i in items.data if i.type == "function_call_output"]
+                assert [o.output for o in sent] == [result.new_items[1].output]  # type: ignore[union-attr]
             finally:
                 await client.close()
 

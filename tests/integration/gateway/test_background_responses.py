@@ -1,9 +1,17 @@
 """Background responses (``background: true``) through the ``openai`` SDK on FAKE workers, on
 SQLite and on PostgreSQL: the create answers at once, polling reads the stored result, a
-cancel stops the run and sticks, and a gateway that stops marks its running ones failed."""
+cancel stops the run and sticks, a gateway that stops marks its running ones failed, and a
+gateway process killed outright has its running ones marked failed by another replica once their
+lease ran out."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -11,6 +19,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from bench.support.fleet import GatewayFleet
+from bench.support.services import free_port
 from libs.db.keys import ensure_dev_key
 from libs.settings import Settings
 from tests.integration.gateway.conftest import eventually, ledger_rows
@@ -134,3 +143,79 @@ async def test_a_stopping_gateway_fails_its_background_responses(db_settings: Se
             failed = await c.responses.retrieve(r.id)
             assert failed.status == "failed" and failed.error is not None
             assert failed.error.code == "server_error"
+
+
+def gateway_process(settings: Settings, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``strait gateway`` as a process of its own on ``settings`` (every section passed as
+    JSON in its ``STRAIT_<SECTION>`` variable, no config file), and its base URL."""
+    port = free_port()
+    s = settings.model_copy(deep=True)
+    s.gateway.port = port
+    (tmp / "empty.toml").write_text("")
+    env = {**os.environ, "STRAIT_CONFIG": str(tmp / "empty.toml"), "PYTHONUNBUFFERED": "1"}
+    for name, value in s.model_dump(mode="json").items():
+        if value is not None:
+            env[f"STRAIT_{name.upper()}"] = (
+                json.dumps(value) if isinstance(value, dict | list) else str(value)
+            )
+    log = open(tmp / "gateway-process.log", "wb")  # the process keeps it open
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "gateway"], env=env, stdout=log, stderr=log
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def test_a_killed_gateways_background_responses_fail_by_their_lease(
+    db_settings: Settings, tmp_path: Path
+) -> None:
+    """A gateway process killed outright (SIGKILL: no lifespan, no "failed" write) mid
+    background response: another replica's sweep stores it ``failed`` once its lease ran out,
+    while that replica's own background response, renewed, runs on to its end."""
+    db_settings.fake_engine.per_token_s = 0.1
+    db_settings.gateway.background_lease_s = 0.6
+    key = await ensure_dev_key(db_settings)
+    async with GatewayFleet(db_settings) as fleet:
+        await fleet.add_worker("w1")
+        proc, doomed_base = gateway_process(db_settings, tmp_path)
+        try:
+            async with client(doomed_base, key) as c:
+
+                async def up() -> bool:
+                    try:
+                        return (await c.models.list()) is not None
+                    except openai.APIConnectionError:
+                        assert proc.poll() is None, (tmp_path / "gateway-process.log").read_text()
+                        return False
+
+                await eventually(up, timeout=60.0, every=0.2)
+                await fleet.wait_workers(1)
+                # 40 tokens: 4 s, several leases long.
+                doomed = await c.responses.create(
+                    model="auto", input="tell me", max_output_tokens=40, background=True
+                )
+                await status_is(c, doomed.id, "in_progress")
+            base = await fleet.gateway()
+            async with client(base, key) as c:
+                kept = await c.responses.create(
+                    model="auto", input="tell me too", max_output_tokens=30, background=True
+                )
+                await status_is(c, kept.id, "in_progress")
+                proc.kill()  # SIGKILL: nothing of the gateway runs after this
+                proc.wait()
+                killed_at = time.monotonic()
+                assert (await c.responses.retrieve(doomed.id)).status == "in_progress"
+                failed = await status_is(c, doomed.id, "failed", "completed", "incomplete")
+                took = time.monotonic() - killed_at
+                assert failed.status == "failed", failed.status
+                assert failed.error is not None and failed.error.code == "server_error"
+                assert "lease ran out" in failed.error.message
+                # Within a lease and a sweep interval (plus slack for a loaded machine), well
+                # before the 4 s the run itself would have taken.
+                assert took < 0.6 + 0.2 + 1.5, took
+                done = await status_is(c, kept.id, "incomplete", "completed", "failed")
+                assert done.status == "incomplete" and done.usage is not None
+                assert done.usage.output_tokens == 30
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

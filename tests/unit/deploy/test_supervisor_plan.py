@@ -74,6 +74,7 @@ def test_disaggregated_pool_with_cache_starts_cache_prefill_and_decode(tmp_path:
         ("decode d-w0", "worker"),
         ("decode d-w1", "worker"),
         ("prefill d-p0", "worker"),
+        ("batch", "batch"),
         ("gateway", "gateway"),
     ]
     ports = []
@@ -102,8 +103,22 @@ def test_disaggregated_pool_without_cache_has_no_cache_service(tmp_path: Path) -
 def test_aggregated_pool_starts_aggregated_workers_only(tmp_path: Path) -> None:
     # cache.enabled without a disaggregated pool: no cache service (nothing would use it).
     children = planned(write_config(tmp_path, 'name = "a"\nbackend = "fake"', cache_enabled=True))
-    assert [c.name for c in children] == ["router", "aggregated a-w0", "gateway"]
+    assert [c.name for c in children] == ["router", "aggregated a-w0", "batch", "gateway"]
     assert child_settings(children[1]).worker.role == "aggregated"
+
+
+def test_the_batch_runner_is_a_process_of_its_own_or_the_gateways(tmp_path: Path) -> None:
+    """batch.runner_process (the default): `strait batch` runs the Batch API's lines and the
+    gateway's own runner is off; false: no batch process, the gateway runs them."""
+    config = write_config(tmp_path, 'name = "a"\nbackend = "fake"', cache_enabled=False)
+    by_name = {c.name: c for c in planned(config)}
+    assert command(by_name["batch"]) == "batch"
+    assert child_settings(by_name["batch"]).batch.runner_nice == 10
+    assert not child_settings(by_name["gateway"]).batch.runner_enabled
+    config.write_text("[batch]\nrunner_process = false\n\n" + config.read_text())
+    by_name = {c.name: c for c in planned(config)}
+    assert "batch" not in by_name
+    assert child_settings(by_name["gateway"]).batch.runner_enabled
 
 
 def test_configs_disaggregated_toml() -> None:
@@ -121,6 +136,7 @@ def test_configs_disaggregated_toml() -> None:
         "cache",
         "decode default-w0",
         "prefill default-p0",
+        "batch",
         "gateway",
     ]
     roles = {c.name: child_settings(c).worker.role for c in children}
