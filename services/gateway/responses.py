@@ -189,4 +189,3 @@ class ResponseCreate(_Strict):
             return input_messages(self.input)
         except ItemError as e:
             raise ApiError(400, str(e), "invalid_request", e.param) from None
-
