@@ -72,6 +72,7 @@ from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classi
 from services.router.holds import Holds
 from services.router.placement import CostWeights, Placement, rank
 from services.router.prefix import PrefixHashers
+from services.router.regions import Regions
 from services.router.teams import TeamPolicy, TeamRefusal
 from services.router.watch import StreamWatch, Watched
 
@@ -101,16 +102,26 @@ class Decision:
     decide_s: float = 0.0
     # Disaggregated pool (the ranked workers are prefill workers): decode workers, best first.
     decode_workers: list[str] = field(default_factory=list)
+    # Why the request leaves the router's region ("" while a local worker can take it) and
+    # the router's view of the regions (regions.py).
+    cross: str = ""
+    regions: Regions | None = None
 
     def route(self, p: Placement) -> RouteReason:
+        factors = [*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"]
+        crossing = self.regions.crossing(p, self.cross) if self.regions is not None else ""
+        if crossing:
+            factors.append(f"cross_region={p.region_cost:.3f}")
         return RouteReason(
             pool=self.pool,
             worker_id=p.worker.worker_id,
             code=self.code,
             score=self.score,
-            factors=[*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"],
+            factors=factors,
             overlap_blocks=p.overlap_blocks,
             cost=round(p.cost, 4),
+            region=p.worker.beat.region,
+            cross_region=crossing,
         )
 
 
@@ -140,13 +151,19 @@ class Router(Holds):
         self.registry = registry
         self.classifier = classifier or build_classifier(settings)
         self.hashers = hashers or PrefixHashers(settings)
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         self.rng = rng or random.Random()
         self.weights = CostWeights(
             self.cfg.overlap_weight,
             self.cfg.load_weight,
             self.cfg.prefill_norm_tokens,
             self.cfg.tie_epsilon,
+        )
+        self.regions = Regions(
+            settings.nats.region,
+            self.cfg.cross_region_cost,
+            dict(self.cfg.region_costs),
+            self.cfg.saturation_load,
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
         self.teams = TeamPolicy(settings)
@@ -249,10 +266,13 @@ class Router(Holds):
             req, pool, first.model, first.model_id or first.model, first.block_size
         )
         overlaps = self.registry.overlaps(hashes) if hashes else {}
-        ranked = rank(workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS)
+        ranked, cross = self.regions.rank(
+            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS
+        )
         decode_workers: list[str] = []
         if ranked[0].worker.beat.role == "prefill":
-            # Decode workers hold no prompt yet: ranked by load alone (ties at random).
+            # Decode workers hold no prompt yet: ranked by load alone (ties at random), those
+            # of the prefill worker's region first (the KV blocks cross no gateway).
             decoders = [
                 w
                 for w in self.registry.live(pool, roles=("decode",), now=now)
@@ -265,7 +285,9 @@ class Router(Holds):
                     retry_after_s=self.fleet.retry_after_s,
                     pools=[pool],
                 )
-            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
+            home = ranked[0].worker.beat.region
+            away = {w.worker_id: self.regions.cross_cost for w in decoders if w.beat.region != home}
+            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS, away)
             decode_workers = [p.worker.worker_id for p in by_load]
         return Decision(
             pool,
@@ -275,6 +297,8 @@ class Router(Holds):
             ranked,
             time.perf_counter() - t0,
             decode_workers,
+            cross,
+            self.regions,
         )
 
     def prefix(
@@ -634,6 +658,8 @@ class Router(Holds):
         metrics.DECISIONS.labels(pool=route.pool, reason=route.code).inc()
         metrics.DECISION_SECONDS.observe(decision_s)
         metrics.OVERLAP_BLOCKS.observe(route.overlap_blocks)
+        if route.cross_region:
+            metrics.CROSS_REGION.labels(region=route.region, reason=route.cross_region).inc()
         ev = RouteDecision(
             request_id=req.request_id, origin=req.origin, route=route, decision_s=decision_s
         )
@@ -652,6 +678,8 @@ class Router(Holds):
                 factors=route.factors,
                 overlap_blocks=route.overlap_blocks,
                 cost=route.cost,
+                region=route.region or None,
+                cross_region=route.cross_region or None,
                 decision_ms=round(decision_s * 1000, 3),
             ),
         )
@@ -703,6 +731,10 @@ def _span_attributes(route: RouteReason) -> dict[str, str | int | float | list[s
         "strait.route_factors": route.factors,
         "strait.overlap_blocks": route.overlap_blocks,
     }
+    if route.region:
+        attrs["strait.region"] = route.region
+    if route.cross_region:
+        attrs["strait.cross_region"] = route.cross_region
     if route.score is not None:
         attrs["strait.difficulty"] = route.score
     if route.cost is not None:
