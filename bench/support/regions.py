@@ -208,6 +208,7 @@ class Call:
     max_tokens: int
     request_id: str = ""
     texts: list[str] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each text
     usage: int | None = None
     error: str = ""
     t_send: float = 0.0
@@ -255,8 +256,10 @@ async def chat(
                 for ch in obj.get("choices") or []:
                     text = (ch.get("delta") or {}).get("content")
                     if ch.get("finish_reason") is None and text is not None:
-                        c.t_first = c.t_first or time.perf_counter()
+                        now = time.perf_counter()
+                        c.t_first = c.t_first or now
                         c.texts.append(text)
+                        c.token_times.append(now)
                 if obj.get("usage"):
                     c.usage = obj["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
