@@ -97,6 +97,8 @@ from libs.nats_util import server_urls
 MODEL = "fake-model"
 ROUTE_RETRY = "Error trying to connect to route"
 STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
+# Two regions (bench/chaos_regions.py, docs/regions.md).
+REGION_SCENARIOS = ["region-workers", "region-nats", "region-link"]
 SCENARIOS = [
     "kill-worker",
     "sigstop-worker",
@@ -111,6 +113,7 @@ SCENARIOS = [
     "kill-decode",
     "kill-prefill",
     "kill-cache",
+    *REGION_SCENARIOS,
 ]
 PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
 PG_CATCHUP_S = 60.0  # postgres-outage: bound on the wait for the ledger to catch up after
@@ -988,15 +991,17 @@ async def run_scenario(
     settle: float = 0.0,
     before_measure: Callable[[Fleet, Load], Coroutine[Any, Any, dict[str, Any]]] | None = None,
     prompts: list[str] | None = None,
+    fleet_class: type[Fleet] | None = None,
     **fleet_kw: Any,
 ) -> dict[str, Any]:
     """One scenario on a fleet of its own; ``settle``: seconds to wait after the load before
     measuring (for what happens later, such as a redelivery); ``before_measure``: the
     scenario's own wait and figures, merged into its row; ``prompts``: greedy requests of
-    these prompts only, each compared with its uninterrupted text (fetched first)."""
+    these prompts only, each compared with its uninterrupted text (fetched first);
+    ``fleet_class``: another shape of fleet (bench.chaos_regions's two regions)."""
     t0 = time.monotonic()
     print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
-    with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
+    with (fleet_class or Fleet)(opts.run_dir / name, opts, **fleet_kw) as fleet:
         load = Load(fleet, opts)
         refs = None
         if prompts:
@@ -1574,11 +1579,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines)
 
 
+def runner(name: str) -> Callable[[Opts], Awaitable[dict[str, Any]]]:
+    if name in REGION_SCENARIOS:  # their module imports this one
+        from bench.chaos_regions import RUNNERS as REGION_RUNNERS
+
+        return REGION_RUNNERS[name]
+    return RUNNERS[name]
+
+
 async def campaign(names: list[str], opts: Opts) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         try:
-            rows.append(await RUNNERS[name](opts))
+            rows.append(await runner(name)(opts))
         except Exception as e:  # a fleet that would not start: say so, go on
             print(f"[{name}] could not run: {e!r}", file=sys.stderr, flush=True)
     return rows
@@ -1610,7 +1623,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the rows to this file")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNNERS]
+    unknown = [n for n in names if n not in RUNNERS and n not in REGION_SCENARIOS]
     if unknown:
         p.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
     run_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="strait-chaos-"))
@@ -1629,7 +1642,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"chaos: logs under {run_dir}", file=sys.stderr, flush=True)
     rows = asyncio.run(campaign(names, opts))
-    if any(n not in DISAGG for n in names):
+    if any(n in REGION_SCENARIOS for n in names):
+        print(
+            f"\n{', '.join(n for n in names if n in REGION_SCENARIOS)}: two regions (NATS "
+            f"clusters a and b joined by a gateway), each a router, 2 FAKE-engine workers and a "
+            f"gateway; per_token_s {opts.per_token_s}, max_tokens {opts.max_tokens}, "
+            f"{opts.streams} streams over both gateways, all HTTP; bound {opts.bound:g} s\n"
+        )
+    if any(n not in DISAGG and n not in REGION_SCENARIOS for n in names):
         print(
             f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
             f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "

@@ -86,10 +86,12 @@ class NatsCluster:
         name: str = "strait-chaos",
         gateway_port: int = 0,
         gateways: dict[str, int] | None = None,
+        gateway_advertise: int = 0,
     ) -> None:
         """``name``: the cluster's (a region's, in a supercluster); ``gateway_port`` and
-        ``gateways`` (other cluster → its gateway port): this cluster's gateway and the
-        clusters it joins (bench.support.regions.Supercluster)."""
+        ``gateways`` (other cluster → the port its gateway is reached at): this cluster's
+        gateway and the clusters it joins (bench.support.regions.Supercluster);
+        ``gateway_advertise``: the port the others are told to reach this one at (a proxy)."""
         binary = nats_binary()
         if binary is None:
             raise SystemExit("nats-server not found next to the Python executable (.venv/bin)")
@@ -109,9 +111,12 @@ class NatsCluster:
                 f'{{ name: "{g}", url: "nats://127.0.0.1:{p}" }}'
                 for g, p in (gateways or {}).items()
             )
+            advertise = (
+                f'  advertise: "127.0.0.1:{gateway_advertise}"\n' if gateway_advertise else ""
+            )
             gateway = (
                 f'gateway {{\n  name: "{name}"\n  listen: "127.0.0.1:{gateway_port}"\n'
-                f"  gateways: [{others}]\n}}\n"
+                f"{advertise}  gateways: [{others}]\n}}\n"
             )
         for i in range(n):
             store = tmp / f"nats{tag}{i}"

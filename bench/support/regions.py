@@ -35,18 +35,24 @@ from libs.protocol import RouteDecision
 
 
 class Supercluster:
-    def __init__(self, tmp: Path, regions: list[str], servers: int = 1) -> None:
+    def __init__(
+        self, tmp: Path, regions: list[str], servers: int = 1, via: dict[str, int] | None = None
+    ) -> None:
+        """``via``: region → the port the other regions reach its gateway at (a proxy that
+        forwards to ``gateway_port[region]``, which can cut the link); default: directly."""
         tmp.mkdir(parents=True, exist_ok=True)
         self.regions = list(regions)
-        gateway = {r: free_port() for r in regions}
+        self.gateway_port = {r: free_port() for r in regions}
+        reach = via or self.gateway_port
         self.clusters = {
             r: NatsCluster(
                 tmp,
                 n=servers,
                 replicas=1,
                 name=r,
-                gateway_port=gateway[r],
-                gateways={o: gateway[o] for o in regions if o != r},
+                gateway_port=self.gateway_port[r],
+                gateways={o: reach[o] for o in regions if o != r},
+                gateway_advertise=reach[r] if via else 0,
             )
             for r in regions
         }
