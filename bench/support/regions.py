@@ -116,6 +116,7 @@ class RegionFleet:
         workers: int = 2,
         ledger_db: Path | None = None,
         env: dict[str, str] | None = None,
+        ready_timeout_s: float = 120.0,
     ) -> None:
         self.region = region
         self.worker_ids = [f"{region}-w{i}" for i in range(workers)]
@@ -132,6 +133,7 @@ class RegionFleet:
                 env or {},
             ),
             [{"STRAIT_WORKER__WORKER_ID": w} for w in self.worker_ids],
+            ready_timeout_s=ready_timeout_s,
         )
 
     @property
