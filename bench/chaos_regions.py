@@ -116,8 +116,19 @@ class LinkProxy:
         self.loop.call_soon_threadsafe(_restore)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
+        async def close() -> None:
+            for w in list(self.conns):
+                w.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
 
 
 class RegionNats:
