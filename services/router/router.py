@@ -9,7 +9,8 @@
 ``decide`` picks the pool (an explicit pool or model name wins; ``auto`` is classified), spills
 to another allowed pool when the chosen one has no live worker (``router.spill_over``) or every
 worker in it is saturated (``router.saturation_spill``), hashes the prompt's prefix blocks the
-way the pool's workers do, and ranks the pool's live workers by cost (``placement``). Every
+way the pool's workers do, and ranks the pool's live workers by cost (``placement``), those of
+the router's own region first (``regions``: another region's when none here can take it). Every
 outcome carries a ``RouteReason``; no worker anywhere → a typed ``no_worker`` error with
 ``retry_after_s`` on the request's stream, unless a worker may still come to the pool
 (``WorkerRegistry.returning_until``: the router has just started, or a worker of the pool was

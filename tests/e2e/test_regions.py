@@ -42,8 +42,8 @@ def test_a_stream_whose_region_goes_dark_ends_in_the_other_with_the_same_text(
             RegionFleet(tmp_path / "a", sc, "a", config, 1, env=env, ready_timeout_s=300) as a,
             RegionFleet(tmp_path / "b", sc, "b", config, 1, env=env, ready_timeout_s=300) as b,
         ):
-            wait_worker_ready(a.pf, "worker0")
-            wait_worker_ready(b.pf, "worker0")
+            wait_worker_ready(a.pf, "worker0", 600)
+            wait_worker_ready(b.pf, "worker0", 600)
             a.wait_workers(2)
 
             async def scenario() -> tuple[str, int, int, str]:
