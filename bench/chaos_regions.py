@@ -245,55 +245,54 @@ async def caught_up(fleet: Fleet, load: Load) -> dict[str, Any]:
     }
 
 
-async def region_workers(opts: Opts) -> dict[str, Any]:
-    async def fault(fleet: Fleet, load: Load) -> None:
+Fault = Callable[[RegionsFleet], Awaitable[None]]
+
+
+async def regions_scenario(name: str, opts: Opts, fault: Fault) -> dict[str, Any]:
+    """``fault`` on a RegionsFleet under the campaign's load (HTTP only), measured once the
+    ledger has caught up."""
+
+    async def run(fleet: Fleet, load: Load) -> None:
         assert isinstance(fleet, RegionsFleet)
-        for w in fleet.region_procs("a", "worker"):
-            fleet.signal(w, signal.SIGKILL)
+        await fault(fleet)
 
     return await run_scenario(
-        "region-workers",
+        name,
         replace(opts, nats_every=0),
-        fault,
+        run,
         before_measure=caught_up,
         fleet_class=RegionsFleet,
     )
 
 
+async def region_workers(opts: Opts) -> dict[str, Any]:
+    async def fault(fleet: RegionsFleet) -> None:
+        for w in fleet.region_procs("a", "worker"):
+            fleet.signal(w, signal.SIGKILL)
+
+    return await regions_scenario("region-workers", opts, fault)
+
+
 async def region_nats(opts: Opts) -> dict[str, Any]:
-    async def fault(fleet: Fleet, load: Load) -> None:
-        assert isinstance(fleet, RegionsFleet)
+    async def fault(fleet: RegionsFleet) -> None:
         fleet.mark_fault()
         await asyncio.to_thread(fleet.rnats.sc.stop_region, "a")
         print(f"[region-nats] a's cluster stopped for {REGION_DOWN_S:g} s", file=sys.stderr)
         await asyncio.sleep(REGION_DOWN_S)
         await asyncio.to_thread(fleet.rnats.sc.restart_region, "a")
 
-    return await run_scenario(
-        "region-nats",
-        replace(opts, nats_every=0),
-        fault,
-        before_measure=caught_up,
-        fleet_class=RegionsFleet,
-    )
+    return await regions_scenario("region-nats", opts, fault)
 
 
 async def region_link(opts: Opts) -> dict[str, Any]:
-    async def fault(fleet: Fleet, load: Load) -> None:
-        assert isinstance(fleet, RegionsFleet)
+    async def fault(fleet: RegionsFleet) -> None:
         fleet.mark_fault()
         fleet.rnats.link.cut()
         print(f"[region-link] gateway link cut for {LINK_DOWN_S:g} s", file=sys.stderr)
         await asyncio.sleep(LINK_DOWN_S)
         fleet.rnats.link.restore()
 
-    return await run_scenario(
-        "region-link",
-        replace(opts, nats_every=0),
-        fault,
-        before_measure=caught_up,
-        fleet_class=RegionsFleet,
-    )
+    return await regions_scenario("region-link", opts, fault)
 
 
 RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
