@@ -139,3 +139,41 @@ async def test_two_regions_fail_over_and_lose_nothing(tmp_path: Path) -> None:
             assert all(rows[c.request_id][:2] == ("ok", c.max_tokens) for c in calls)
     finally:
         sc.stop()
+
+
+async def test_streams_crossing_a_cut_link_pause_and_end_with_their_text(tmp_path: Path) -> None:
+    """Region a has no worker: its gateway's requests run in b, across the gateway. The link is
+    cut mid-stream for 8 s: a's router loses b's workers, its streams wait for a worker
+    (``waiting_for_worker``) and continue in b when the link returns, with the exact text."""
+    from bench.chaos_regions import LinkProxy
+    from bench.support.services import free_port
+
+    via = {r: free_port() for r in "ab"}
+    sc = Supercluster(tmp_path / "nats", ["a", "b"], via=via)
+    link = LinkProxy({via[r]: sc.gateway_port[r] for r in "ab"})
+    link.start()
+    sc.start()
+    config = fake_config(PER_TOKEN_S)
+    try:
+        with (
+            RegionFleet(tmp_path / "b", sc, "b", config) as b,
+            RegionFleet(tmp_path / "a", sc, "a", config, workers=0) as a,
+        ):
+            a.wait_workers(2)
+            async with httpx.AsyncClient(timeout=120) as http:
+                crossing = [call("a", 500 + k, 300) for k in range(4)]  # 6 s each
+                tasks = [asyncio.create_task(chat(http, a.url, c)) for c in crossing]
+                await asyncio.sleep(1.5)
+                link.cut()
+                await asyncio.sleep(8.0)
+                link.restore()
+                await asyncio.gather(*tasks)
+            assert all([await exact(c) for c in crossing]), [(c.error, c.usage) for c in crossing]
+            routes = await route_events(sc.url("a"))
+            for c in crossing:
+                r = routes[c.request_id].route
+                assert (r.region, r.code) == ("b", "migrated"), r
+            assert b.live_workers() == 2
+    finally:
+        sc.stop()
+        link.stop()
