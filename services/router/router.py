@@ -454,7 +454,11 @@ class Router(Holds):
         held_s = None
         if attempt == 1 and req.priority != "batch" and migration is None and not pool:
             held_s = await self.hold_while_full(req, keepalive, held)
+        t_decide = time.monotonic()
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
+        # It waited for a worker to come (or come back): the ones it found are new arrivals,
+        # whose first offers may find no route to them yet (a NATS gateway link just back).
+        waited = time.monotonic() - t_decide > self.cfg.sweep_interval_s
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":
                 # Moving a lost worker's request: say what happened, not just what is missing.
@@ -494,11 +498,13 @@ class Router(Holds):
             self.registry.on_refused(route.worker_id, reserved)
             if answer is None:
                 silent.append(route.worker_id)
-        if silent and len(silent) == min(len(decision.ranked), MAX_OFFERS) and not recheck:
+        everyone_silent = silent and len(silent) == min(len(decision.ranked), MAX_OFFERS)
+        if everyone_silent and (not recheck or waited):
             # Nobody answered: the workers may have died inside their beat TTL (a kill -9 a
             # moment ago). One TTL later they have beaten again, or expired, which makes the
             # pool "coming back" when they left without draining: decide again then, and
-            # wait for the restarted worker like any request of that pool.
+            # wait for the restarted worker like any request of that pool. (Once per wait:
+            # workers that came after one get their own recheck.)
             await asyncio.sleep(self.fleet.worker_ttl_s + self.cfg.sweep_interval_s)
             return await self.place(
                 req,

@@ -4,6 +4,7 @@ prefix held in another region, and the subjects and streams of a region."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -149,3 +150,52 @@ def test_one_region_keeps_every_name() -> None:
     assert names == ["STRAIT_REQUESTS", "STRAIT_EVENTS", "STRAIT_CACHE_EVENTS"]
     assert all(c.placement is None for c in stream_configs(n))
     assert ledger_stream_config(n).subjects == ["strait.v1.events.>"]
+
+
+async def test_workers_found_after_a_wait_get_a_recheck_when_they_do_not_answer() -> None:
+    """A stream waited for a worker (its region's link was cut); the workers that come back
+    do not answer the first offers (no route to them yet): the router tries them again one
+    TTL later instead of ending the request with no_capacity."""
+    import asyncio
+
+    import msgspec
+    from nats.errors import NoRespondersError
+
+    from libs.protocol import AssignmentAck
+
+    s = settings("a")
+    s.fleet.worker_ttl_s = 0.05
+    s.fleet.replace_lost = False  # no stream watch (no NATS here)
+    s.router.sweep_interval_s = 0.01
+    s.router.worker_return_wait_s = 5.0
+    reg = WorkerRegistry(s.fleet.worker_ttl_s, s.router.worker_return_wait_s)
+    reg.lost["b1"] = ("default", time.monotonic())  # lost without draining: coming back
+    answers = [NoRespondersError()]
+    published: list[bytes] = []
+
+    class FakeNats:
+        async def request(self, *a: object, **kw: object) -> object:
+            if answers:
+                raise answers.pop(0)
+            return type("Reply", (), {"data": msgspec.json.encode(AssignmentAck(accepted=True))})
+
+        async def publish(self, subject: str, data: bytes, **kw: object) -> None:
+            published.append(data)
+
+    class FakeJs:
+        async def publish(self, *a: object, **kw: object) -> None:
+            return None
+
+    r = Router(FakeNats(), FakeJs(), s, reg, rng=random.Random(0))  # type: ignore[arg-type]
+
+    async def come_back() -> None:
+        await asyncio.sleep(0.1)
+        for _ in range(40):  # beats every 10 ms for a while
+            reg.on_beat(beat("b1", model=MODEL, region="b"))
+            await asyncio.sleep(0.01)
+
+    back = asyncio.create_task(come_back())
+    route = await r.place(request("hi", model="default"), attempt=2, recheck=True)
+    await back
+    assert route is not None and route.worker_id == "b1" and route.cross_region
+    assert answers == [] and published == []  # no error on the stream
