@@ -84,6 +84,8 @@ metrics_port = 0
 interval_s = 0.5
 bucket_s = 1.0
 horizon_s = {horizon_s}
+target_utilization = {utilization}
+forecast_z = {forecast_z}
 min_history_buckets = 3
 scale_up_cooldown_s = 1.0
 scale_down_cooldown_s = {down_cooldown_s}
@@ -281,6 +283,8 @@ def run_one(
             reactive_queue=args.reactive_queue,
             standby=standby,
             horizon_s=args.horizon_s,
+            utilization=args.planner_utilization or PlannerSettings().target_utilization,
+            forecast_z=PlannerSettings().forecast_z if args.forecast_z is None else args.forecast_z,
             down_cooldown_s=args.down_cooldown_s,
             down_stable_s=args.down_stable_s,
             max_replicas=peak_n,
@@ -505,6 +509,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--standby", type=int, default=4, help="planner.warm_standby (scaling modes)")
     p.add_argument("--reactive-queue", type=int, default=8, help="waiting per worker (reactive)")
     p.add_argument("--horizon-s", type=float, default=10.0)
+    p.add_argument(
+        "--planner-utilization",
+        type=float,
+        default=None,
+        help="planner.target_utilization of the scaling modes (default: the setting's); the "
+        "fixed fleets are sized at the setting's default whatever this says",
+    )
+    p.add_argument(
+        "--forecast-z", type=float, default=None, help="planner.forecast_z (default: the setting's)"
+    )
     p.add_argument("--down-stable-s", type=float, default=10.0)
     p.add_argument("--down-cooldown-s", type=float, default=5.0)
     p.add_argument("--window-s", type=float, default=5.0, help="window of the peak rate")
@@ -609,6 +623,19 @@ def main(argv: list[str] | None = None) -> int:
                     "meta": meta[trace],
                     "summaries": [s for s in summaries if s["trace"] == trace],
                     "seconds": {r.mode: seconds(r) for r in runs},
+                    # Per request (diagnosis: which requests missed the SLO, and when).
+                    "requests": {
+                        r.mode: [
+                            {
+                                "t": round(q.t, 3),
+                                "ttft": None if q.ttft is None else round(q.ttft, 3),
+                                "mean_itl": round(sum(q.gaps) / len(q.gaps), 4) if q.gaps else None,
+                                "ok": q.ok,
+                            }
+                            for q in r.reqs
+                        ]
+                        for r in runs
+                    },
                 },
                 indent=1,
             )

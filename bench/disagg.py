@@ -38,7 +38,8 @@ import httpx
 from bench.stats import percentile
 from libs.client import StraitClient
 from libs.settings import Settings, get_settings
-from services.supervisor import Child, Fleet
+from services.supervisor.children import Child
+from services.supervisor.fleet import Fleet
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"

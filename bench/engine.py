@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.engine.attention import KvCache
     from libs.engine.engine import LLMEngine
-    from libs.engine.model_runner import DTYPES, ModelShape, load_model
+    from libs.engine.loader import DTYPES, ModelShape, load_model
     from libs.models import prepare_model
     from libs.settings import get_settings
 

@@ -110,7 +110,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
 
 
 def kv_bytes_per_token(model: Any, dtype: torch.dtype) -> int:
-    from libs.engine.model_runner import ModelShape
+    from libs.engine.loader import ModelShape
 
     s = ModelShape.of(model.config)
     return s.num_layers * 2 * s.num_kv_heads * s.head_dim * dtype.itemsize

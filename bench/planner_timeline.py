@@ -33,7 +33,7 @@ from libs.client import StraitClient
 from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import NatsSettings
-from services.supervisor import nats_server_binary, port_open
+from services.supervisor.nats_server import nats_server_binary, port_open
 
 CONFIG = """
 [gateway]

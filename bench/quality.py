@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from libs.engine.model_runner import load_model
+    from libs.engine.loader import load_model
     from libs.models import prepare_model
     from libs.settings import get_settings
 

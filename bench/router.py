@@ -21,7 +21,8 @@ from pathlib import Path
 from libs.protocol import ChatMessage, GenerateRequest, KvEvent, SamplingParams, WorkerBeat
 from libs.registry import WorkerRegistry
 from libs.settings import PoolSettings, Settings
-from services.router.router import Decision, Router
+from services.router.decision import Decision
+from services.router.router import Router
 
 REAL_MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from libs.engine.engine import LLMEngine
-    from libs.engine.model_runner import load_model
+    from libs.engine.loader import load_model
     from libs.models import prepare_model
     from libs.settings import get_settings
 

@@ -80,16 +80,25 @@ async def _serve_http(ctx: ServiceContext, host: str, port: int) -> asyncio.Serv
     return await asyncio.start_server(handle, host, port)
 
 
-async def _watch_parent(ctx: ServiceContext) -> None:
+async def watch_parent(stop: Callable[[], None], stopped: Callable[[], bool]) -> None:
+    """Call ``stop`` once the process that started this one (``STRAIT_PARENT_PID``, set by
+    `strait up`) is gone, even killed with SIGKILL: a child must not outlive its supervisor
+    holding a port or a worker id. Every service runs it (``run_service``; the gateway
+    beside uvicorn); nothing to watch without the variable."""
     parent = os.environ.get("STRAIT_PARENT_PID")
     if not parent:
         return
     pid = int(parent)
-    while not ctx.stopping.is_set():
+    while not stopped():
         await asyncio.sleep(PARENT_WATCH_INTERVAL_S)
         if os.getppid() != pid:
             log.warning("supervisor gone; stopping", extra=fields(parent_pid=pid))
-            ctx.stopping.set()
+            stop()
+            return
+
+
+async def _watch_parent(ctx: ServiceContext) -> None:
+    await watch_parent(ctx.stopping.set, ctx.stopping.is_set)
 
 
 def run_loop(main: Coroutine[Any, Any, T], settings: Settings) -> T:

@@ -160,7 +160,7 @@ def _keys(args: argparse.Namespace) -> int:
 def _teams(settings: Settings, args: argparse.Namespace) -> int:
     from libs.security.fleet import SecureFleet
     from libs.security.teams import TeamError
-    from services.supervisor import nats_server_binary
+    from services.supervisor.nats_server import nats_server_binary
 
     sf = SecureFleet(settings)
     try:
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = get_settings()
     if args.cmd == "up":
-        from services.supervisor import up
+        from services.supervisor.main import up
 
         return up(settings, secure=args.secure)
     if args.cmd == "gateway":

@@ -10,11 +10,12 @@ talk only through a command inbox (thread-safe queue + wake event) one way and
     event loop                                   engine thread
     generate() ──("add", …)──► inbox ──────────► LLMEngine.add_request
     abort()    ──("abort", …)► inbox ──────────► LLMEngine.abort_request
-    per-request _Stream       ◄── call_soon_threadsafe ◄── LLMEngine.step() outputs
+    per-request OutputStream ◄── call_soon_threadsafe ◄── LLMEngine.step() outputs
 
-Token frames: a request's outputs wait in its ``_Stream`` until its consumer (the worker, then
-NATS) comes back for them; when it fell behind by several steps, the outputs it finds are merged
-per choice into one chunk (frames coalesce rather than queue up one message per token).
+Token frames: a request's outputs wait in its ``OutputStream`` (``output_stream.py``) until its
+consumer (the worker, then NATS) comes back for them; when it fell behind by several steps, the
+outputs it finds are merged per choice into one chunk (frames coalesce rather than queue up one
+message per token).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,8 @@ from libs.engine.config import EngineSettings, model_identity
 from libs.engine.engine import LLMEngine, StepOutput
 from libs.engine.errors import BackendError
 from libs.engine.kv_transfer import KvBlocks
-from libs.engine.model_runner import ModelShape
+from libs.engine.loader import ModelShape
+from libs.engine.output_stream import END, OutputStream
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.engine.params import ChatMessage, Priority, SamplingParams
 from libs.tools import ToolSpec
@@ -86,63 +87,6 @@ class PrefillResult:
     kv: KvBlocks | None
 
 
-_END = object()  # stream sentinel: the request was aborted, no more chunks
-
-
-class _Stream:
-    """One request's outputs, filled by the event loop (``put``), drained by its consumer."""
-
-    __slots__ = ("items", "ready")
-
-    def __init__(self) -> None:
-        self.items: deque[Any] = deque()
-        self.ready = asyncio.Event()
-
-    def put_nowait(self, item: Any) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    async def get(self) -> Any:
-        """The next item; consecutive outputs of one choice already waiting come merged."""
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        item = self.items.popleft()
-        while isinstance(item, StepOutput) and self.items and _mergeable(item, self.items[0]):
-            item = _merge(item, self.items.popleft())
-        return item
-
-
-def _mergeable(a: StepOutput, b: Any) -> bool:
-    return (
-        isinstance(b, StepOutput)
-        and b.chunk.index == a.chunk.index
-        and a.chunk.finish_reason is None
-    )
-
-
-def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
-    """``a`` then ``b`` (the same choice) as one output."""
-    x, y = a.chunk, b.chunk
-    logprobs = (
-        None
-        if x.logprobs is None and y.logprobs is None
-        else (x.logprobs or []) + (y.logprobs or [])
-    )
-    chunk = GenerationChunk(
-        index=x.index,
-        text=x.text + y.text,
-        token_ids=x.token_ids + y.token_ids,
-        finish_reason=y.finish_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=y.num_prompt_tokens,
-        num_cached_tokens=y.num_cached_tokens,
-        num_spec_proposed=y.num_spec_proposed,
-        num_spec_accepted=y.num_spec_accepted,
-    )
-    return StepOutput(b.request_id, chunk, b.request_finished)
-
-
 class AsyncEngineBackend:
     """Implements :class:`libs.backend.Backend` with :class:`LLMEngine` on its own thread."""
 
@@ -173,7 +117,7 @@ class AsyncEngineBackend:
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Import] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         # Snapshot for load(), written by the engine thread after each step.
         self._load = LoadInfo(capacity=settings.max_num_seqs, block_size=settings.block_size)
         self._events_lock = threading.Lock()
@@ -343,14 +287,14 @@ class AsyncEngineBackend:
         request_id = add.request_id
         if request_id in self._streams:
             raise BackendError("invalid_request", f"request {request_id!r} is already running")
-        stream = _Stream()
+        stream = OutputStream()
         self._streams[request_id] = stream
         self._submit(add)
         done = False
         try:
             while True:
                 item = await stream.get()
-                if item is _END:
+                if item is END:
                     return
                 if isinstance(item, BaseException):
                     done = True  # the engine already dropped it
@@ -374,7 +318,7 @@ class AsyncEngineBackend:
         self._submit(_Abort(request_id))
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_nowait(_END)
+            stream.put_nowait(END)
 
     def load(self) -> LoadInfo:
         with self._events_lock:

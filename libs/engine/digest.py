@@ -33,6 +33,7 @@ UNSHAPING = {
 # Modules whose source shapes the compiled graph, relative to libs/engine.
 GRAPH_SOURCES = (
     "model_runner.py",
+    "loader.py",
     "aot.py",
     "attention.py",
     "fuse.py",

@@ -8,6 +8,13 @@ its engine thread; tests and the benchmark drive it directly. One step is
     update    → advance counters, register full blocks, sample, detokenize, check stops
 
 and returns one :class:`StepOutput` per choice that produced output or finished.
+
+Over 500 lines because the update is one state machine over the sequences the engine owns:
+sampling, keeping or dropping speculative proposals, forking ``n`` choices, appending a token
+through the detokenizer, stop strings, grammar and penalties, and the KV blocks a request
+exports or imports all change the same ``Sequence`` and block tables within one step. What
+stands alone is a module of its own (scheduler, runner, sampler, KV manager, speculation,
+structured outputs, checks).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from libs.engine.errors import BackendError
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_manager import KvManager
 from libs.engine.kv_transfer import KvBlocks
-from libs.engine.model_runner import ModelRunner, load_model
+from libs.engine.loader import load_model
+from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import GenerationChunk, Resume
 from libs.engine.params import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
 from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs

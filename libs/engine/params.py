@@ -13,15 +13,47 @@ Cross-field rules a schema cannot express are in :mod:`libs.engine.checks`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 import msgspec
 
-# Bounds on a request's constraint (characters of a regex or grammar; logit_bias entries).
+
+class Bound(TypedDict, total=False):
+    """A number's bounds, as ``msgspec.Meta`` and pydantic's ``Field`` both take them."""
+
+    ge: float
+    gt: float
+    le: float
+
+
+# The bounds on a request's fields, each written once: the structs below read them, and so do
+# the gateway's HTTP bodies (services/gateway/schemas.py, responses.py), so an HTTP request and
+# a NATS one are held to the same numbers. (An int bound stays an int: it is in the schemas.)
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": {"ge": 1},
+    "temperature": {"ge": 0.0, "le": 2.0},
+    "top_p": {"gt": 0.0, "le": 1.0},
+    "top_k": {"ge": -1},
+    "min_p": {"ge": 0.0, "le": 1.0},
+    "presence_penalty": {"ge": -2.0, "le": 2.0},
+    "frequency_penalty": {"ge": -2.0, "le": 2.0},
+    "repetition_penalty": {"gt": 0.0},
+    "n": {"ge": 1, "le": 16},
+    "logprobs": {"ge": 0, "le": 20},
+    "num_speculative_tokens": {"ge": 0, "le": 16},
+}
+# A logit_bias entry: a token id (decimal, as OpenAI's JSON has it) → a bias in these bounds.
+LOGIT_BIAS_KEY = "^[0-9]{1,9}$"
+LOGIT_BIAS_VALUE: Bound = {"ge": -100.0, "le": 100.0}
+MAX_LOGIT_BIAS = 1024
+# Bounds on a request's constraint (characters of a regex or grammar; options of a choice).
 MAX_GRAMMAR_CHARS = 65_536
+MAX_CHOICES = 1024
 # Characters of a request's predicted output (SamplingParams.prediction).
 MAX_PREDICTION_CHARS = 262_144
-MAX_LOGIT_BIAS = 1024
+# A function's name: 1 to MAX_TOOL_NAME of these characters.
+TOOL_NAME_CHARS = "A-Za-z0-9_-"
+MAX_TOOL_NAME = 64
 
 Priority = Literal["interactive", "batch"]
 # "tool_calls": the choice ended with tool calls (TokenDelta.tool_calls), as OpenAI's.
@@ -54,7 +86,10 @@ class ChatMessage(Struct):
 class ToolFunction(Struct, kw_only=True):
     """A function the model may call (OpenAI's ``tools[].function``)."""
 
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    name: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=MAX_TOOL_NAME, pattern=f"^[{TOOL_NAME_CHARS}]+$"),
+    ]
     description: str = ""
     # A JSON schema of the arguments object.
     parameters: dict[str, Any] = msgspec.field(
@@ -68,7 +103,7 @@ class StructuredOutput(Struct, kw_only=True):
 
     json: dict[str, Any] | None = None  # a JSON schema ({"type": "object"}: any JSON object)
     regex: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] | None = (
         None  # Lark or GBNF
     )
@@ -85,28 +120,28 @@ class StructuredOutput(Struct, kw_only=True):
 class SamplingParams(Struct):
     """What the engine needs to sample one request. Defaults match the OpenAI API's."""
 
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: off
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    max_tokens: Annotated[int, msgspec.Meta(**BOUNDS["max_tokens"])] = 16
+    temperature: Annotated[float, msgspec.Meta(**BOUNDS["temperature"])] = 1.0
+    top_p: Annotated[float, msgspec.Meta(**BOUNDS["top_p"])] = 1.0
+    top_k: Annotated[int, msgspec.Meta(**BOUNDS["top_k"])] = -1  # -1: off
+    min_p: Annotated[float, msgspec.Meta(**BOUNDS["min_p"])] = 0.0
+    presence_penalty: Annotated[float, msgspec.Meta(**BOUNDS["presence_penalty"])] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(**BOUNDS["frequency_penalty"])] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(**BOUNDS["repetition_penalty"])] = 1.0
     seed: int | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    n: Annotated[int, msgspec.Meta(**BOUNDS["n"])] = 1
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     # Number of top alternatives to return per token; None: no log-probabilities.
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(**BOUNDS["logprobs"])] | None = None
     # Token id (as a decimal string, as OpenAI's JSON has it) → bias added to its logit before
     # anything else.
     logit_bias: (
         Annotated[
             dict[
-                Annotated[str, msgspec.Meta(pattern="^[0-9]{1,9}$")],
-                Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)],
+                Annotated[str, msgspec.Meta(pattern=LOGIT_BIAS_KEY)],
+                Annotated[float, msgspec.Meta(**LOGIT_BIAS_VALUE)],
             ],
             msgspec.Meta(max_length=MAX_LOGIT_BIAS),
         ]
@@ -118,7 +153,9 @@ class SamplingParams(Struct):
     # Speculative decoding for this request: at most this many proposed tokens a step (0:
     # none); None: the pool's engine.speculative. A ceiling: it never turns speculation on
     # where the pool has none, and never changes the output, only its speed.
-    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] | None = None
+    num_speculative_tokens: (
+        Annotated[int, msgspec.Meta(**BOUNDS["num_speculative_tokens"])] | None
+    ) = None
     # OpenAI's predicted output (``prediction.content``): text the answer is expected to
     # repeat, e.g. the code being edited. Speculation proposes from it first (even in a pool
     # with speculation off); like every proposal it changes the speed, never the answer.

@@ -11,8 +11,11 @@ are the step's decode rows (decoding sequences plus their proposals) and ``prefi
 a chunk of ``P`` tokens from position ``start``: a long prompt's late chunks cost more.
 ``(a, b)`` is an exponentially weighted least squares fit over decode-only steps
 (:class:`StepCost`); ``(c, d)`` one over what mixed steps took beyond the decode fit, both
-held non-negative; before the mixed steps separate them, ``c`` alone (a per-token mean). Same
-on CUDA: the fit sees the device's step times.
+held non-negative; before the mixed steps separate them, ``c`` alone (a per-token mean). The
+budget aims a mixed step at the target over ``overrun``, the tracked 90th percentile of what
+mixed steps took against their prediction (at least 1): a fit is right on average, and a step
+filled to the target by an average would go over it half the time. Same on CUDA: the fit sees
+the device's step times.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ STEP_COST_MIN_STEPS = 16  # decode steps before the fit is used
 PREFILL_COST_WEIGHT = 0.05  # weight of one mixed step in the per-token prefill cost
 PREFILL_MIN_SAMPLE_TOKENS = 8  # mixed steps with fewer prompt tokens say too little about c
 PREFILL_MIN_STEPS = 4  # mixed steps before the prefill cost is used
+# The budget aims the step's prediction at the target divided by this quantile of what mixed
+# steps took over what was predicted for them (tracked as they run), so that all but the
+# slowest (1 - OVERRUN_QUANTILE) of them stay under the target, not half of them.
+OVERRUN_QUANTILE = 0.9
+OVERRUN_RATE = 0.02  # step size of the quantile's tracking, per mixed step
+OVERRUN_MAX = 3.0  # a bound on the correction (a machine stalled for a while must not stop prefill)
 
 
 class StepCost:
@@ -97,6 +106,8 @@ class StepCostModel:
         self.prefill_steps = 0
         # EW sums of the mixed steps' (P, W, excess) products, for the (c, d) fit.
         self.spp = self.spw = self.sww = self.spy = self.swy = 0.0
+        # OVERRUN_QUANTILE of (mixed step's seconds / its prediction), at least 1.
+        self.overrun = 1.0
 
     def observe(
         self, rows: int, prefill_tokens: int, seconds: float, prefill_work: float = 0.0
@@ -109,6 +120,14 @@ class StepCostModel:
         base = self.decode.predict(rows)
         if base is None or prefill_tokens < PREFILL_MIN_SAMPLE_TOKENS:
             return
+        if self.ready():
+            c, d = self.prefill_fit()
+            predicted = base + c * prefill_tokens + d * prefill_work
+            if predicted > 0:
+                # Tracks the quantile: up by q*rate on a step over it, down by (1-q)*rate below.
+                over = seconds / predicted > self.overrun
+                step = OVERRUN_QUANTILE if over else OVERRUN_QUANTILE - 1.0
+                self.overrun = min(max(self.overrun + OVERRUN_RATE * step, 1.0), OVERRUN_MAX)
         excess = max(seconds - base, 0.0)
         w = 1.0 if self.prefill_steps == 0 else PREFILL_COST_WEIGHT
         self.per_prefill_token += w * (excess / prefill_tokens - self.per_prefill_token)
@@ -152,7 +171,7 @@ class StepCostModel:
             return PrefillBudget(ceiling)
         decode_s = self.decode.predict(rows)
         assert decode_s is not None  # ready() implies a fit
-        room = target_s - decode_s
+        room = target_s / self.overrun - decode_s
         if room <= 0:
             return PrefillBudget(max(min(floor, ceiling), 0), "decode_rows")
         c, d = self.prefill_fit()

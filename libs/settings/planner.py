@@ -98,7 +98,12 @@ class PlannerSettings(Section):
     warm_standby: int = Field(default=0, ge=0)
     """Local actuator: workers of each pool role `strait up` keeps loaded but idle (no beats, no
     work: memory, not compute), activated first when the planner wants more workers, so a
-    scale-up takes a signal instead of a start-up; each one used is replaced."""
+    scale-up takes a signal instead of a start-up; each one used is replaced (after
+    `standby_refill_s`)."""
+    standby_refill_s: float = Field(default=10.0, ge=0)
+    """Local actuator: seconds after a standby's activation (or the last refill) before its
+    replacement starts loading, one at a time per pool role, so replacements do not take the
+    machine's cores from the wave that used their predecessors."""
     max_scale_down_step: int = Field(default=1, ge=1)
     """Workers removed by one scale-down decision (each drains: nothing running is dropped)."""
     idle_to_zero_s: float = Field(default=300.0, gt=0)

@@ -8,8 +8,8 @@ from libs.settings.section import Section
 
 
 class SupervisorSettings(Section):
-    """`strait up`'s supervisor (services/supervisor.py): how a child process that exits on its
-    own is restarted, as operators know it from systemd (``RestartSec``,
+    """`strait up`'s supervisor (services/supervisor/children.py): how a child process that
+    exits on its own is restarted, as operators know it from systemd (``RestartSec``,
     ``StartLimitBurst`` per ``StartLimitIntervalSec``) and Kubernetes (CrashLoopBackOff)."""
 
     restart_backoff_s: float = Field(default=1.0, ge=0)

@@ -24,7 +24,7 @@ from libs.log import fields
 from libs.protocol import ChatMessage, StreamMessage
 from services.gateway.completions import CompletionRun
 from services.gateway.errors import ApiError
-from services.gateway.responses import ResponseShape, whole_response
+from services.gateway.response_output import ResponseShape, whole_response
 
 log = logging.getLogger("strait.gateway")
 

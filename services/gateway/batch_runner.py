@@ -40,7 +40,8 @@ from libs.protocol import BatchLine, ProtocolError, decode
 from libs.settings import Settings
 from services.gateway.auth import KeyInfo
 from services.gateway.batches import publish_lines, unix
-from services.gateway.completions import CompletionRun, Kind
+from services.gateway.chunks import Kind
+from services.gateway.completions import CompletionRun
 from services.gateway.errors import ApiError, validation_api_error
 from services.gateway.fleet import Fleet
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import uvicorn
 from fastapi import FastAPI
 
 from libs.log import setup_logging
-from libs.runtime import run_loop
+from libs.runtime import run_loop, watch_parent
 from libs.settings import Settings, get_settings
 from libs.telemetry import setup_tracing, shutdown_tracing
 from services.gateway.app import create_app
@@ -32,8 +34,20 @@ def main(settings: Settings | None = None) -> int:
         lifespan="on",
         http=settings.gateway.http_parser,
     )
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        def stop() -> None:
+            server.should_exit = True  # uvicorn's own graceful shutdown, as on SIGTERM
+
+        watch = asyncio.create_task(watch_parent(stop, lambda: server.should_exit))
+        try:
+            await server.serve()
+        finally:
+            watch.cancel()
+
     try:
-        run_loop(uvicorn.Server(config).serve(), settings)
+        run_loop(serve(), settings)
     finally:
         shutdown_tracing()
     return 0

@@ -11,14 +11,23 @@ handler in ``errors.py``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from libs.protocol import (
+from libs.engine.params import (
+    BOUNDS,
+    LOGIT_BIAS_KEY,
+    LOGIT_BIAS_VALUE,
+    MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_PREDICTION_CHARS,
+    MAX_TOOL_NAME,
+    TOOL_NAME_CHARS,
+)
+from libs.protocol import (
     ChatMessage,
     SamplingParams,
     StructuredOutput,
@@ -38,7 +47,16 @@ UNSUPPORTED: dict[str, str] = {
     "web_search_options": "web search is not supported",
     "suffix": "suffix (insertion) is not supported",
 }
-_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+_NAME = f"^[{TOOL_NAME_CHARS}]{{1,{MAX_TOOL_NAME}}}$"
+
+
+def bounded(name: str, default: Any = None, le: float | None = None) -> Any:
+    """A body field held to the engine's bounds on its ``SamplingParams`` field ``name``
+    (``libs.engine.params.BOUNDS``); ``le``: a narrower maximum of the HTTP API's own."""
+    b = BOUNDS[name]
+    return Field(
+        default=default, ge=b.get("ge"), gt=b.get("gt"), le=b.get("le") if le is None else le
+    )
 
 
 class _Strict(BaseModel):
@@ -97,7 +115,7 @@ class StructuredOutputsIn(_Strict):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
-    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
     json_object: bool | None = None
 
@@ -151,18 +169,21 @@ class UnsupportedField(ValueError):
 
 
 class _Common(_Strict):
+    # The sampling fields' bounds are the engine's (libs/engine/params.py BOUNDS); the rules
+    # below that name numbers of their own are the HTTP API's alone.
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    max_tokens: int | None = bounded("max_tokens")
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
+    top_k: int | None = bounded("top_k")
+    min_p: float | None = bounded("min_p")
+    presence_penalty: float | None = bounded("presence_penalty")
+    frequency_penalty: float | None = bounded("frequency_penalty")
+    # Narrower over HTTP than the engine's (> 0): at most 10.
+    repetition_penalty: float | None = bounded("repetition_penalty", le=10.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = bounded("n", 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -173,7 +194,7 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     # Strait extension: speculative decoding's depth for this request, a ceiling under the
     # pool's (0: none; docs/speculation.md). Never changes the answer.
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=16)
+    num_speculative_tokens: int | None = bounded("num_speculative_tokens")
     # OpenAI's predicted output: speculation proposes from it first (never changes the answer).
     prediction: Prediction | None = None
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
@@ -207,11 +228,12 @@ class _Common(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        lo, hi = LOGIT_BIAS_VALUE["ge"], LOGIT_BIAS_VALUE["le"]
         for k, x in (v or {}).items():
-            if not (k.isascii() and k.isdigit() and len(k) <= 9):
+            if not re.fullmatch(LOGIT_BIAS_KEY, k):
                 raise ValueError(f"logit_bias keys are token ids; got {k!r}")
-            if not -100.0 <= x <= 100.0:
-                raise ValueError(f"logit_bias values are between -100 and 100; got {x}")
+            if not lo <= x <= hi:
+                raise ValueError(f"logit_bias values are between {lo:g} and {hi:g}; got {x}")
         return v
 
     def structured(self) -> StructuredOutput | None:
@@ -328,9 +350,9 @@ class ChatMessageIn(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = bounded("max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = bounded("logprobs")
     tools: list[ToolIn] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -370,6 +392,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field()
+    # OpenAI's legacy completions allow at most 5 alternatives (the engine: 20).
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False  # echoing the prompt back is not supported
     best_of: int | None = Field(default=None, ge=1)

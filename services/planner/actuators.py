@@ -1,6 +1,6 @@
 """Actuators: what turns a ``PlanDecision`` into running workers. One interface, two kinds.
 
-- ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor.py). It subscribes
+- ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor/). It subscribes
   to the planner's decisions on a thread of its own and hands each fresh one to the fleet's
   ``scale(pool, role, replicas)``, which starts workers or drains the surplus (SIGTERM: the
   worker's own drain, so nothing running is dropped).
@@ -61,6 +61,8 @@ class LocalActuator:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.connected = threading.Event()
+        # Set when a decision arrives: the supervisor's loop wakes for it (``wait``).
+        self._arrived = threading.Event()
 
     def apply(self, decision: PlanDecision) -> None:
         if not fresh(decision, self.settings.planner.decision_max_age_s):
@@ -74,6 +76,12 @@ class LocalActuator:
             batch, self._latest = list(self._latest.values()), {}
         for d in batch:
             self.apply(d)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block the supervisor's loop until a decision arrives or ``timeout_s`` passes: a
+        scale-up is applied as it comes, not at the loop's next turn."""
+        self._arrived.wait(timeout_s)
+        self._arrived.clear()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="plan-listener", daemon=True)
@@ -100,6 +108,7 @@ class LocalActuator:
         async def on_plan(d: PlanDecision, msg: Msg) -> None:
             with self._lock:
                 self._latest[(d.pool, d.role)] = d
+            self._arrived.set()
 
         plans = Endpoint("supervisor.plan", PlanDecision, on_plan, logs(log, "bad plan"))
         await plans.subscribe(nc, subjects.plans_all)

@@ -6,8 +6,10 @@ decision's ``driver``):
 
 - ``forecast``: the forecast's peak over the horizon (plus its noise margin) over what one
   worker serves within the SLO, filled to ``target_utilization``;
-- ``queue``: today's arrivals plus the requests waiting in the workers, to be cleared within
-  the TTFT SLO, over the same capacity (the reactive term: what no forecast saw coming);
+- ``queue``: today's arrivals (the last bucket's rate, or the sliding last ``bucket_s``'s when
+  higher: a step shows within a tick, not a bucket) plus the requests waiting in the workers
+  and held in routers, to be cleared within the TTFT SLO, over the same capacity (the
+  reactive term: what no forecast saw coming);
 - ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
   now, whatever the arithmetic says (the capacity estimate is wrong).
 
@@ -43,6 +45,7 @@ class Load:
     idle_s: float  # seconds since the pool's last arrival
     demand_while_zero: bool = False  # a request for the pool arrived while it had no worker
     oldest_wait_s: float = 0.0  # the oldest request held in a router for the pool
+    recent_rps: float = 0.0  # arrivals over the last bucket_s up to now (a sliding window)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,10 @@ def need(load: Load, cap: Capacity, bounds: Bounds, current: int, util: float) -
         "forecast": math.ceil(load.forecast_rps / per_worker - 1e-9)
         if load.forecast_rps > NO_LOAD_RPS
         else 0,
-        "queue": math.ceil((load.arrival_rps + load.queue / bounds.ttft_slo_s) / per_worker - 1e-9)
+        "queue": math.ceil(
+            (max(load.arrival_rps, load.recent_rps) + load.queue / bounds.ttft_slo_s) / per_worker
+            - 1e-9
+        )
         if load.queue > 0
         else 0,
         "ttft_slo": current + 1

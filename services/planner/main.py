@@ -4,7 +4,8 @@
                routers.* (RouterBeat: requests held in routers, queued)
                events.usage.worker (UsageEvent) requests, requests.* (model names: demand for
                                                 a pool with no worker)
-    every planner.interval_s: Planner.plan → PlanDecision per pool role
+    every planner.interval_s, or at once when a RouterBeat reports new holds:
+        Planner.plan → PlanDecision per pool role
         → planner.decision.<pool>.<role> (core NATS) → log (one line per change) → actuator
 
 The planner holds no worker and no request: if it dies, nothing is lost and the actuators keep
@@ -83,12 +84,21 @@ async def serve(ctx: ServiceContext) -> None:
             return
         planner.on_request_model(model, time.monotonic())
 
+    # A router that begins holding requests (every worker of a pool full) wakes the loop: the
+    # decision goes out within a router beat, not at the next planner.interval_s tick.
+    wake = asyncio.Event()
+
+    def on_router_beat(beat: RouterBeat, now: float) -> None:
+        planner.on_router_beat(beat, now)
+        if beat.held_arrivals:
+            wake.set()
+
     subs = [
         await feeds("beat", WorkerBeat, planner.on_beat).subscribe(nc, subjects.beats_all),
         await feeds("route", RouteDecision, planner.on_route).subscribe(
             nc, subjects.event("route")
         ),
-        await feeds("router_beat", RouterBeat, planner.on_router_beat).subscribe(
+        await feeds("router_beat", RouterBeat, on_router_beat).subscribe(
             nc, subjects.router_beats_all
         ),
         await feeds("usage", UsageEvent, planner.on_usage).subscribe(nc, subjects.worker_usage),
@@ -108,6 +118,7 @@ async def serve(ctx: ServiceContext) -> None:
     last: dict[tuple[str, str], tuple[int, str]] = {}
     try:
         while not ctx.stopping.is_set():
+            wake.clear()
             now = time.monotonic()
             decisions = await asyncio.to_thread(planner.plan, now)
             for d in decisions:
@@ -119,10 +130,10 @@ async def serve(ctx: ServiceContext) -> None:
                     except Exception as e:  # an API error: the next tick tries again
                         log.warning("actuator failed", extra=fields(pool=d.pool, error=repr(e)))
             planner.forget_stale(now, s.fleet.worker_ttl_s * FORGET_TTLS)
-            try:
-                await asyncio.wait_for(ctx.stopping.wait(), s.planner.interval_s)
-            except TimeoutError:
-                pass
+            waits = [asyncio.ensure_future(e.wait()) for e in (ctx.stopping, wake)]
+            await asyncio.wait(waits, timeout=s.planner.interval_s, return_when="FIRST_COMPLETED")
+            for w in waits:
+                w.cancel()
     finally:
         for sub in subs:
             await sub.unsubscribe()

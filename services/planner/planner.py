@@ -39,6 +39,14 @@ class PoolView:
     current: int = 0
     last_arrival: float = -math.inf
     demand_while_zero: bool = False
+    # Arrival times (planner clock) of the last ``bucket_s``: a rate that moves every tick,
+    # not once a bucket (the queue term's, so a step is seen half a bucket sooner).
+    recent: deque[float] = field(default_factory=deque)
+
+    def recent_rps(self, now: float, window_s: float) -> float:
+        while self.recent and self.recent[0] <= now - window_s:
+            self.recent.popleft()
+        return len(self.recent) / window_s
 
 
 # Beat TTLs (fleet.worker_ttl_s) after its start before the planner decides anything.
@@ -196,6 +204,7 @@ class Planner:
         load = decide.Load(
             forecast_rps=self.forecast_rps(pool.name),
             arrival_rps=series[-1] if series else 0.0,
+            recent_rps=view.recent_rps(now, self.cfg.bucket_s),
             queue=sum(w.beat.waiting for w in live)
             + (self.held(pool.name, now) if role != "decode" else 0),
             busy=sum(w.beat.running for w in live),
@@ -241,6 +250,7 @@ class Planner:
         if view is not None:
             view.current += 1
             view.last_arrival = now
+            view.recent.append(now)
 
     def _roll(self, now: float) -> None:
         """Close every bucket that ended before ``now`` (empty ones count as zero)."""

@@ -16,15 +16,12 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from libs.protocol import GenerateRequest, RouterBeat
 from libs.registry import WorkerRegistry
 from libs.settings import RouterSettings, Settings
 from services.router import metrics
-
-if TYPE_CHECKING:
-    from services.router.router import PoolChoice
+from services.router.decision import PoolChoice
 
 
 class Holds:

@@ -18,15 +18,17 @@ lost without draining and is being restarted): then the request waits for one
 (``decide_waiting``), still unacked in JetStream, up to ``router.worker_return_wait_s``.
 
 A placed request is watched until its stream ends (``watch``); when its worker's beats stop
-first, ``worker_lost`` places it again on another worker of its pool (code ``replaced``,
-``attempt + 1``): from scratch before its first token, as a migration after (the ``Migrated``
+first, ``worker_lost`` (``moves.py``) places it again on another worker of its pool (code
+``replaced``, ``attempt + 1``): from scratch before its first token, as a migration after (the ``Migrated``
 marker on the stream, then ``Assignment.migration`` with the tokens streamed so far). With
 no other worker in the pool the marker's reason is ``waiting_for_worker``: the stream pauses
 until a worker beats in the pool (the lost one restarted) and continues there.
 
-The holds before a decision are in ``holds.py`` (``Router`` inherits them). Over 500 lines
-because a request's life in the router — decide, offer, record, move — is one class whose
-steps share the registry, the watch and the decision slots; each step is a method here.
+A request's life in the router is one class whose steps share the registry, the watch and the
+decision slots; its parts are mixed in from a module each: the holds before a decision
+(``holds.py``), moving a request off a lost or stalled worker (``moves.py``), and what the
+router sends (``replies.py``: offer, record, typed errors). The decision's types are in
+``decision.py``.
 """
 
 from __future__ import annotations
@@ -37,106 +39,47 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from libs.log import fields
 from libs.protocol import (
-    Assignment,
-    AssignmentAck,
-    CancelRequest,
-    ErrorCode,
-    ErrorMessage,
     GenerateRequest,
-    Migrated,
     Migration,
     ProtocolError,
-    RouteDecision,
     RouteReason,
     Subjects,
     decode,
-    encode,
     validate_request,
 )
 from libs.registry import WorkerRegistry, WorkerView
 from libs.settings import Settings
-from libs.telemetry import extract_context, inject_headers, tracer
+from libs.telemetry import extract_context, tracer
 from services.deadletter import dead_letter
 from services.router import metrics
 from services.router.classifier import CHARS_PER_TOKEN, Classifier, build_classifier, prompt_text
+from services.router.decision import (
+    MAX_OFFERS,
+    Decision,
+    PoolChoice,
+    Rejection,
+    span_attributes,
+)
 from services.router.holds import Holds
-from services.router.placement import CostWeights, Placement, rank
+from services.router.moves import Moves
+from services.router.placement import CostWeights, rank
 from services.router.prefix import PrefixHashers
 from services.router.regions import Regions
+from services.router.replies import Replies
 from services.router.teams import TeamPolicy, TeamRefusal
-from services.router.watch import StreamWatch, Watched
+from services.router.watch import StreamWatch
 
 log = logging.getLogger("strait.router")
 
-# Workers offered one decision before the router gives up with no_capacity.
-MAX_OFFERS = 4
 
-
-@dataclass
-class PoolChoice:
-    pool: str
-    code: str  # explicit_pool | explicit_model | auto_small | auto_large | auto_single_pool
-    score: float | None = None
-    factors: list[str] = field(default_factory=list)
-    # Pools the request may run in, preferred first (spill-over targets after ``pool``).
-    allowed: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Decision:
-    pool: str
-    code: str
-    score: float | None
-    factors: list[str]
-    ranked: list[Placement]
-    decide_s: float = 0.0
-    # Disaggregated pool (the ranked workers are prefill workers): decode workers, best first.
-    decode_workers: list[str] = field(default_factory=list)
-    # Why the request leaves the router's region ("" while a local worker can take it) and
-    # the router's view of the regions (regions.py).
-    cross: str = ""
-    regions: Regions | None = None
-
-    def route(self, p: Placement) -> RouteReason:
-        factors = [*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"]
-        crossing = self.regions.crossing(p, self.cross) if self.regions is not None else ""
-        if crossing:
-            factors.append(f"cross_region={p.region_cost:.3f}")
-        return RouteReason(
-            pool=self.pool,
-            worker_id=p.worker.worker_id,
-            code=self.code,
-            score=self.score,
-            factors=factors,
-            overlap_blocks=p.overlap_blocks,
-            cost=round(p.cost, 4),
-            region=p.worker.beat.region,
-            cross_region=crossing,
-        )
-
-
-@dataclass
-class Rejection:
-    code: ErrorCode
-    message: str
-    param: str | None = None
-    retry_after_s: float | None = None
-    # no_worker: the pools that had none (a worker coming to one of them is waited for).
-    pools: list[str] = field(default_factory=list)
-
-
-class Router(Holds):
+class Router(Holds, Moves, Replies):
     def __init__(
         self,
         nc: NATS,
@@ -428,7 +371,7 @@ class Router(Holds):
                 req, on_accepted=ack, keepalive=msg.in_progress, held=self.slots
             )
             if route is not None:
-                span.set_attributes(_span_attributes(route))
+                span.set_attributes(span_attributes(route))
         await ack()
 
     async def place(
@@ -528,199 +471,6 @@ class Router(Holds):
         )
         return None
 
-    async def worker_lost(self, worker_id: str) -> None:
-        """``worker_id`` stopped beating: move each request it held to another worker."""
-        for w in self.watch.on_worker_lost(worker_id):
-            if self.watch.streamed_unannounced(w):
-                continue
-            await self.move(w, worker_id)
-
-    async def stalled_streams(self) -> None:
-        """Move requests whose stream went silent past ``router.stall_timeout_s`` although
-        their worker still beats (a hung engine thread, a wedged request)."""
-        if self.cfg.stall_timeout_s <= 0:
-            return
-        for w in self.watch.stalled(self.cfg.stall_timeout_s):
-            if not w.complete:  # its end was probably missed in a reconnect
-                await self.watch.forget(w.req.key)
-                continue
-            if w.route is None or self.watch.streamed_unannounced(w):
-                continue
-            worker_id = w.route.worker_id
-            w.lost.add(worker_id)
-            log.warning(
-                "stream stalled; moving the request",
-                extra=fields(request_id=w.req.request_id, worker_id=worker_id),
-            )
-            await self.move(w, worker_id, reason="stalled")
-
-    async def move(self, w: Watched, worker_id: str, reason: str = "worker_lost") -> None:
-        """Place ``w`` again: from scratch before its first token, else as a migration."""
-        rid = w.req.request_id
-        refusal = ""
-        if w.attempt >= self.cfg.max_attempts:
-            refusal = f"{w.attempt} attempts (router.max_attempts)"
-        elif w.streamed and w.req.sampling.n > 1:
-            refusal = "requests with n > 1 do not migrate"
-        elif w.streamed and not w.complete:
-            refusal = "the router missed part of its stream in a NATS reconnect"
-        if refusal:
-            when = "mid-stream" if w.streamed else "before the first token"
-            what = "stalled" if reason == "stalled" else "was lost"
-            await self.reply_error(
-                w.req,
-                Rejection(
-                    "worker_lost",
-                    f"worker {worker_id!r} {what} {when}; {refusal}",
-                    retry_after_s=self.fleet.retry_after_s,
-                ),
-            )
-            return
-        migration = None
-        # Workers that (re)join from now on may take it, the restarted lost one included.
-        since = time.monotonic()
-        pool = w.route.pool if w.route is not None and w.streamed else ""
-        if w.streamed:
-            migration = w.migration(worker_id)
-            if self.worker_coming(self.decide(w.req, frozenset(w.lost), pool, since)):
-                reason = "waiting_for_worker"  # the stream pauses until a worker comes
-            marker = Migrated(
-                seq=w.last_seq + 1,
-                request_id=rid,
-                from_worker=worker_id,
-                attempt=w.attempt + 1,
-                num_tokens=len(w.tokens),
-                reason=reason,
-            )
-            w.last_seq += 1
-            await self.nc.publish(self.stream_subject(w.req), encode(marker))
-            metrics.MIGRATED.inc()
-        else:
-            metrics.REPLACED.inc()
-        # A worker that was only stalled must not resume a request it no longer owns.
-        cancel = CancelRequest(request_id=rid, reason="moved", worker_id=worker_id)
-        await self.nc.publish(self.subjects.cancel_key(w.req.key), encode(cancel))
-        log.info(
-            "migrating request of a lost worker" if migration else "re-placing request",
-            extra=fields(
-                request_id=rid,
-                worker_id=worker_id,
-                attempt=w.attempt + 1,
-                tokens=len(w.tokens) if migration else None,
-            ),
-        )
-        with self._tracer.start_span(
-            "router.migrate" if migration else "router.replace",
-            attributes={"strait.request_id": rid},
-        ) as span:
-            route = await self.place(
-                w.req, w.attempt + 1, frozenset(w.lost), migration, pool, since=since
-            )
-            if route is not None:
-                span.set_attributes(_span_attributes(route))
-
-    def stream_subject(self, req: GenerateRequest) -> str:
-        return req.reply_subject or self.subjects.stream(req.request_id)
-
-    async def offer(
-        self,
-        req: GenerateRequest,
-        route: RouteReason,
-        attempt: int,
-        queued_s: float,
-        decode_workers: list[str] | None = None,
-        migration: Migration | None = None,
-    ) -> bool | None:
-        """Offer ``req`` to one worker: True it accepted, False it refused, None no answer
-        within ``router.assign_timeout_s`` (or no one listens on its subject)."""
-        a = Assignment(
-            request=req,
-            route=route,
-            attempt=attempt,
-            queued_s=queued_s,
-            decode_workers=decode_workers or [],
-            migration=migration,
-        )
-        try:
-            reply = await self.nc.request(
-                self.subjects.work(route.worker_id),
-                encode(a),
-                timeout=self.cfg.assign_timeout_s,
-                headers=inject_headers(),
-            )
-        except (NatsTimeout, NoRespondersError, TimeoutError):
-            log.warning(
-                "worker did not answer",
-                extra=fields(request_id=req.request_id, worker_id=route.worker_id),
-            )
-            return None
-        try:
-            ack = msgspec.json.decode(reply.data, type=AssignmentAck)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        return ack.accepted
-
-    async def record(self, req: GenerateRequest, route: RouteReason, decision_s: float) -> None:
-        """The decision's reason in metrics, the events stream and the log."""
-        metrics.DECISIONS.labels(pool=route.pool, reason=route.code).inc()
-        metrics.DECISION_SECONDS.observe(decision_s)
-        metrics.OVERLAP_BLOCKS.observe(route.overlap_blocks)
-        if route.cross_region:
-            metrics.CROSS_REGION.labels(region=route.region, reason=route.cross_region).inc()
-        ev = RouteDecision(
-            request_id=req.request_id, origin=req.origin, route=route, decision_s=decision_s
-        )
-        try:
-            await self.js.publish(self.subjects.event("route"), encode(ev), timeout=1.0)
-        except Exception as e:  # the event stream is for observers; never block routing on it
-            log.warning("route event publish failed", extra=fields(error=repr(e)))
-        log.info(
-            "routed",
-            extra=fields(
-                request_id=req.key,
-                pool=route.pool,
-                worker_id=route.worker_id,
-                reason=route.code,
-                score=route.score,
-                factors=route.factors,
-                overlap_blocks=route.overlap_blocks,
-                cost=route.cost,
-                region=route.region or None,
-                cross_region=route.cross_region or None,
-                decision_ms=round(decision_s * 1000, 3),
-            ),
-        )
-
-    async def reply_error(self, req: GenerateRequest, r: Rejection) -> None:
-        """End ``req``'s stream with a typed error (after whatever it already carried)."""
-        metrics.REJECTED.labels(code=r.code).inc()
-        log.info("rejected", extra=fields(request_id=req.request_id, code=r.code, error=r.message))
-        seq = self.watch.next_seq(req.key)
-        await self.watch.forget(req.key)
-        err = ErrorMessage(
-            seq=seq,
-            request_id=req.request_id,
-            code=r.code,
-            message=r.message,
-            param=r.param,
-            retry_after_s=r.retry_after_s,
-        )
-        await self.nc.publish(self.stream_subject(req), encode(err))
-
-    async def _reject_malformed(self, msg: Msg, e: ProtocolError) -> None:
-        metrics.REJECTED.labels(code=e.code).inc()
-        if e.request_id:  # usable as a subject token (ProtocolError keeps no other)
-            err = ErrorMessage(seq=1, request_id=e.request_id, code=e.code, message=str(e))
-            team = self.teams.sender(msg.subject)
-            subject = (
-                self.subjects.stream(e.request_id)
-                if team is None
-                else self.subjects.team_stream(team, e.request_id)
-            )
-            await self.nc.publish(subject, encode(err))
-        else:
-            await dead_letter(self.nc, self.subjects, msg, str(e), "router")
-
 
 def _excluded(w: WorkerView, exclude: frozenset[str], since: float) -> bool:
     return w.worker_id in exclude and w.joined_at <= since
@@ -728,22 +478,3 @@ def _excluded(w: WorkerView, exclude: frozenset[str], since: float) -> bool:
 
 def _min_load(workers: list[WorkerView]) -> float:
     return min((w.load for w in workers), default=float("inf"))
-
-
-def _span_attributes(route: RouteReason) -> dict[str, str | int | float | list[str]]:
-    attrs: dict[str, str | int | float | list[str]] = {
-        "strait.pool": route.pool,
-        "strait.worker_id": route.worker_id,
-        "strait.route_reason": route.code,
-        "strait.route_factors": route.factors,
-        "strait.overlap_blocks": route.overlap_blocks,
-    }
-    if route.region:
-        attrs["strait.region"] = route.region
-    if route.cross_region:
-        attrs["strait.cross_region"] = route.cross_region
-    if route.score is not None:
-        attrs["strait.difficulty"] = route.score
-    if route.cost is not None:
-        attrs["strait.route_cost"] = route.cost
-    return attrs

@@ -7,6 +7,7 @@ after a KV handoff) and ``PrefillWorker`` (prefill.py: prompt and first token, t
 Flow per assignment: router --Assignment (request/reply)--> ``on_assignment`` → ack → the role's
 ``serve`` task → TokenDelta… → Finished (or ErrorMessage, through :meth:`Worker.fail`), and
 :meth:`Worker.finish` logs it. A ``CancelRequest`` aborts the request and frees its blocks.
+Each finished request's usage event for the ledger: ``usage.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from opentelemetry.context import Context
 
 from libs.backend import Backend, BackendError, GenerationChunk
 from libs.log import fields
-from libs.nats_util import publish_acked, publish_msg
+from libs.nats_util import publish_msg
 from libs.protocol import (
     Assignment,
     AssignmentAck,
@@ -44,7 +45,6 @@ from libs.protocol import (
     TokenDelta,
     ToolCall,
     Usage,
-    UsageEvent,
     WorkerBeat,
     encode,
     request_key,
@@ -56,6 +56,7 @@ from libs.telemetry import extract_context, tracer
 from services.deadletter import dead_letter
 from services.endpoint import Endpoint, dead_letters
 from services.worker import metrics
+from services.worker.usage import UsageReporter, usage_event
 
 log = logging.getLogger("strait.worker")
 
@@ -89,7 +90,7 @@ class Worker:
         # Prompt tokens this worker computed / served from its prefix cache (tests, beats).
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
-        self._usage_tasks: set[asyncio.Task[None]] = set()
+        self.usage = UsageReporter(nc, self.subjects, settings.worker)
         # Stream writers of running requests, and of ended ones for worker.resend_keep_s
         # (request id → writer, end time), for ResendRequests.
         self.writers: dict[str, StreamWriter] = {}
@@ -284,50 +285,22 @@ class Worker:
         metrics.OUTPUT_TOKENS.inc(usage.completion_tokens)
         metrics.E2E.observe(total)
         if self.settings.worker.report_usage:
-            ev = UsageEvent(
-                request_id=out.request_id,
-                origin=a.request.origin,
-                api_key_id=a.request.api_key_id,
-                team=a.request.team,
-                pool=self.pool,
-                model=self.backend.model_name,
-                worker_id=self.worker_id,
-                route_code=a.route.code,
-                route_factors=a.route.factors,
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                queued_s=a.queued_s,
-                ttft_s=ttft,
-                total_s=total,
-                created_at=a.request.created_at,
-                source="worker",
-            )
-            task = asyncio.create_task(self._publish_usage(ev))
-            self._usage_tasks.add(task)
-            task.add_done_callback(self._usage_tasks.discard)
-
-    async def _publish_usage(self, ev: UsageEvent) -> None:
-        """The ledger's row from this side (JetStream; deduplicated by its own message id)."""
-        w = self.settings.worker
-        try:
-            await publish_acked(
-                self.nc.jetstream(),
-                self.subjects.worker_usage,
-                encode(ev),
-                f"usage-worker-{request_key(ev.origin, ev.request_id)}",
-                w.usage_publish_timeout_s,
-                w.usage_publish_attempts,
-            )
-        except Exception as e:  # the gateway's event may still carry it; never fail a stream
-            log.warning(
-                "usage event publish failed", extra=fields(request_id=ev.request_id, error=repr(e))
+            self.usage.report(
+                usage_event(
+                    a,
+                    out.request_id,
+                    usage,
+                    ttft,
+                    total,
+                    pool=self.pool,
+                    model=self.backend.model_name,
+                    worker_id=self.worker_id,
+                )
             )
 
     async def flush_usage(self, timeout_s: float) -> None:
         """Wait for usage events still being published (before the connection closes)."""
-        if self._usage_tasks:
-            await asyncio.wait(list(self._usage_tasks), timeout=timeout_s)
+        await self.usage.flush(timeout_s)
 
     async def fail(self, out: StreamWriter, e: BaseException) -> tuple[str, str]:
         """End a request's stream after ``e``: (status, error code) for the log and metrics.

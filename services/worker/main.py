@@ -164,9 +164,11 @@ STANDBY_POLL_S = 0.05
 
 def arm_standby(settings: Settings) -> None:
     """Before anything loads: a standby worker's SIGUSR1 only sets a flag (its default action
-    would end the process)."""
+    would end the process). `strait up` starts a standby with SIGUSR1 blocked, so one sent
+    before this point is pending, and is delivered here, once the handler is in place."""
     if settings.worker.standby:
         signal.signal(signal.SIGUSR1, lambda _sig, _frame: _ACTIVATED.set())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
 async def standby(ctx: ServiceContext, worker: Worker) -> bool:

@@ -145,9 +145,9 @@ def test_warm_standby_serves_within_a_beat_of_the_decision(tmp_path: Path, nats_
     """With `planner.warm_standby = 1` the second worker is loaded before the wave: the
     scale-up activates it (SIGUSR1) instead of starting a process, and a new standby takes
     its place."""
-    config = FLEET.replace("[planner]\n", "[planner]\nwarm_standby = 1\n").replace(
-        "max_replicas = 3", "max_replicas = 2"
-    )
+    config = FLEET.replace(
+        "[planner]\n", "[planner]\nwarm_standby = 1\nstandby_refill_s = 1.0\n"
+    ).replace("max_replicas = 3", "max_replicas = 2")
     with strait_up(tmp_path, nats_url, config) as (prefix, log):
         first_beat, first_up = asyncio.run(standby_scenario(nats_url, prefix))
     text = log.read_text()

@@ -10,7 +10,7 @@ import torch
 
 from libs.engine.attention import KvCache
 from libs.engine.engine import LLMEngine
-from libs.engine.model_runner import ModelShape
+from libs.engine.loader import ModelShape
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings
 from tests.unit.engine.helpers import Submission, reference_greedy, run_engine

@@ -17,7 +17,7 @@ import torch
 from libs.engine import kernels, quant
 from libs.engine.attention import KvCache
 from libs.engine.engine import LLMEngine
-from libs.engine.model_runner import ModelShape, load_model
+from libs.engine.loader import ModelShape, load_model
 from libs.protocol import SamplingParams
 from libs.settings import EngineSettings
 from tests.slow.test_engine_smollm2 import chat_prompts

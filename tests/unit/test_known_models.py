@@ -10,7 +10,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from libs.engine.model_runner import ModelShape
+from libs.engine.loader import ModelShape
 from libs.models import prepare as prepare_mod
 from libs.models.prepare import ModelNotFoundError, prepare_model
 from libs.models.registry import GEMMA_TURNS_TEMPLATE, KNOWN_MODELS, KnownModel

@@ -1,6 +1,6 @@
 """Weight formats (``engine.quantization``): one module per format behind one interface.
 
-:func:`quantize_model` is called once by :func:`libs.engine.model_runner.load_model`, after
+:func:`quantize_model` is called once by :func:`libs.engine.loader.load_model`, after
 transformers has loaded the float model and before the CPU kernels pack what is left; it
 replaces every ``nn.Linear`` with a :class:`~libs.engine.quant.base.WeightOnlyLinear` of the
 chosen format and returns a :class:`QuantReport` (the model runner logs the layers in use once

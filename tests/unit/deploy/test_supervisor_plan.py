@@ -1,5 +1,6 @@
-"""`strait up`'s plan (services/supervisor.py ``Fleet.plan``) for aggregated and disaggregated
-pools: which children, with which command, role, pool, worker id and port. Nothing is started.
+"""`strait up`'s plan (services/supervisor/fleet.py ``Fleet.plan``) for aggregated and
+disaggregated pools: which children, with which command, role, pool, worker id and port.
+Nothing is started.
 
 Children read their settings again from the config file their environment names (as under
 `strait up`), so each case is a TOML file, and each child's settings are loaded from exactly the
@@ -18,7 +19,8 @@ import pytest
 
 from libs.settings import Settings
 from services.cli import _parser
-from services.supervisor import Child, Fleet
+from services.supervisor.children import Child
+from services.supervisor.fleet import Fleet
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +125,37 @@ def test_configs_disaggregated_toml() -> None:
     ]
     roles = {c.name: child_settings(c).worker.role for c in children}
     assert roles["decode default-w0"] == "decode" and roles["prefill default-p0"] == "prefill"
+
+
+def test_activated_standbys_are_replaced_one_at_a_time_after_the_refill_delay(
+    tmp_path: Path,
+) -> None:
+    """Three standbys activated by one scale-up: their replacements start loading
+    planner.standby_refill_s after the last activation, then one every standby_refill_s (not
+    all at once on the cores that serve the wave)."""
+    from libs.settings import PlannerSettings, PoolSettings
+
+    settings = Settings(
+        pools=[PoolSettings(name="p", model="fake-model", backend="fake", workers=1)],
+        planner=PlannerSettings(enabled=True, warm_standby=3, standby_refill_s=5.0),  # type: ignore[arg-type]
+    )
+    with mock.patch("subprocess.Popen") as popen, mock.patch("time.monotonic") as clock:
+        popen.return_value.poll.return_value = None  # every child alive
+        popen.return_value.pid = 1
+        fleet = Fleet(settings)
+        fleet.plan()
+        fleet.start_all()
+        standbys = [c for c in fleet.children if c.standby]
+        assert len(standbys) == 3
+        clock.return_value = 100.0
+        fleet.scale("p", "aggregated", 4, "scale_up")
+        assert not any(c.standby for c in fleet.children)  # all three serve now
+
+        def spares() -> int:
+            return sum(c.standby for c in fleet.children)
+
+        for now, expected in [(104.9, 0), (105.0, 1), (106.0, 1), (110.0, 2), (115.0, 3)]:
+            fleet.refill_standby(now)
+            assert spares() == expected, now
+        fleet.refill_standby(200.0)
+        assert spares() == 3  # owed three, started three

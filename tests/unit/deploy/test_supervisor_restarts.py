@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from libs.settings import SupervisorSettings
-from services.supervisor import Child
+from services.supervisor.children import Child
 
 pytestmark = pytest.mark.unit
 

@@ -218,3 +218,28 @@ def test_the_step_reports_the_pairs_its_chunks_attend_over() -> None:
         item.seq.num_computed_tokens += item.num_new_tokens
         s.kv.commit(item.seq)
     assert s.schedule().prefill_work == 8 * 8 + 8 * 7 / 2  # the second, from position 8
+
+
+def test_the_budget_aims_under_the_target_by_what_mixed_steps_overran() -> None:
+    """Mixed steps that take 1.5x their prediction one time in two: the tracked 90th
+    percentile of the overrun climbs to ~1.5 and the budget leaves that much room; steps that
+    take what was predicted leave it at 1 (the budget unchanged)."""
+    from libs.engine.step_cost import OVERRUN_QUANTILE
+
+    exact = fitted(0.010, 0.001, 0.0005)
+    for _ in range(200):
+        exact.observe(10, 40, 0.010 + 0.001 * 10 + 0.0005 * 40)
+    assert exact.overrun == 1.0
+    assert exact.prefill_budget(0.040, 10, 4, 500) == PrefillBudget(40)
+
+    noisy = fitted(0.010, 0.001, 0.0005)
+    for i in range(400):
+        slow = 1.5 if i % 2 else 1.0
+        noisy.observe(10, 40, 0.020 + 0.0005 * 40 * slow + (0.010 if i % 2 else 0.0))
+    # The fit learns the mean (prompt part 30 ms: 40 ms and 20 ms alternating), so against it
+    # the slow steps take 60 / 50 = 1.2x their prediction: the 90th percentile is 1.2.
+    assert 1.15 < noisy.overrun <= 1.3, noisy.overrun
+    budget = noisy.prefill_budget(0.040, 10, 4, 500)
+    # Uncorrected: (40 - 20 ms) / 0.75 ms a token = 26; aimed at 40 / 1.2 ms: ~17.
+    assert budget is not None and 14 <= budget.tokens <= 19, budget
+    assert OVERRUN_QUANTILE == 0.9

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from libs.protocol import StructuredOutput, ToolFunction
+from libs.engine.params import BOUNDS
+from libs.protocol import SamplingParams, StructuredOutput, ToolFunction
 from libs.settings import Settings
 from libs.tools import CallMarkupFilter, ToolSpec, constraint_kind, parse_tool_calls
 from services.gateway.app import create_app
@@ -90,6 +92,50 @@ def test_bad_or_unknown_fields_are_400s(
     base = CHAT if path.endswith("chat/completions") else {"model": "auto"}
     err = error(client, path, {**base, **extra})
     assert err["param"] == param, err
+
+
+def _beyond(name: str) -> list[tuple[str, float]]:
+    """(bound, a value just past it) for each bound the engine sets on ``name``."""
+    b = BOUNDS[name]
+    out: list[tuple[str, float]] = []
+    if "ge" in b:
+        out.append(("ge", b["ge"] - (1 if isinstance(b["ge"], int) else 0.5)))
+    if "gt" in b:
+        out.append(("gt", b["gt"]))
+    if "le" in b:
+        out.append(("le", b["le"] + (1 if isinstance(b["le"], int) else 0.5)))
+    return out
+
+
+# SamplingParams' field → (endpoint, body field, extra body) where the HTTP API takes it.
+_BODY_FIELD: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "logprobs": ("/v1/chat/completions", "top_logprobs", {"logprobs": True}),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "value"),
+    [(name, kind, value) for name in sorted(BOUNDS) for kind, value in _beyond(name)],
+)
+def test_engine_bounds_hold_at_both_doors(
+    client: TestClient, name: str, kind: str, value: float
+) -> None:
+    """One definition (libs.engine.params.BOUNDS): a value past a bound is a 400 naming the
+    body's field over HTTP, and refused by the wire's SamplingParams over NATS."""
+    path, field, extra = _BODY_FIELD.get(name, ("/v1/chat/completions", name, {}))
+    err = error(client, path, {**CHAT, **extra, field: value})
+    assert err["param"] == field, err
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({name: value}, SamplingParams)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_output_tokens", 0), ("temperature", 2.5), ("top_p", 0.0)],
+)
+def test_responses_bounds_are_the_engines(client: TestClient, field: str, value: float) -> None:
+    err = error(client, "/v1/responses", {"model": "auto", "input": "x", field: value})
+    assert err["param"] == field, err
 
 
 def test_unknown_field_message_is_openais(client: TestClient) -> None:

@@ -237,3 +237,29 @@ def test_held_arrivals_count_once_and_an_old_held_request_skips_the_up_cooldown(
     assert (v.replicas, v.reason) == (4, "scale_up") and "oldest_wait=1.00" in v.factors
     off = settle(6, "queue", late, BOUNDS, state, 4, 10.6, cfg(scale_up_urgent_fraction=0.0))
     assert off.reason == "hold_up_cooldown"
+
+
+def test_the_queue_term_sees_a_step_within_a_tick_not_a_bucket() -> None:
+    # The last complete bucket says 1 req/s; the sliding window says 8: with a queue, 8 counts.
+    wanted, driver = need(load(arrival_rps=1.0, recent_rps=8.0, queue=2), CAP, BOUNDS, 1, 0.8)
+    assert (wanted, driver) == (6, "queue")  # (8 + 2 / 2 s) / 1.6 -> 6
+    # Without a queue the sliding window sizes nothing (the forecast does): no noise scale-up.
+    assert need(load(arrival_rps=1.0, recent_rps=8.0), CAP, BOUNDS, 1, 0.8) == (0, "idle")
+
+
+def test_the_planner_counts_arrivals_over_a_sliding_bucket() -> None:
+    from libs.protocol import RouteDecision, RouteReason
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(
+        pools=[PoolSettings(name="p", model="m", backend="fake")],
+        planner=PlannerSettings(bucket_s=1.0),  # type: ignore[arg-type]
+    )
+    pl = Planner(s, "t", now=0.0)
+    for i in range(6):  # six arrivals in the first half of the second bucket
+        pl.on_route(RouteDecision(request_id=f"r{i}", route=RouteReason("p", "w", "auto")), 1.1)
+    view = pl.pools["p"]
+    assert pl.series("p") == [0.0]  # the bucket being filled is not in the series yet
+    assert view.recent_rps(1.5, 1.0) == 6.0
+    assert view.recent_rps(2.2, 1.0) == 0.0  # they left the window

@@ -10,7 +10,8 @@ from libs.fake_engine import FakeBackend
 from libs.protocol import SamplingParams
 from libs.registry import WorkerRegistry
 from libs.settings import FakeEngineSettings, PoolSettings, Settings
-from services.router.router import Decision, Rejection, Router
+from services.router.decision import Decision, Rejection
+from services.router.router import Router
 from tests.unit.router.helpers import beat, hold, registry, request
 
 pytestmark = pytest.mark.unit

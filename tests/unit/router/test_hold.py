@@ -14,7 +14,8 @@ import time
 import pytest
 
 from libs.settings import Settings
-from services.router.router import Decision, Rejection, Router
+from services.router.decision import Decision, Rejection
+from services.router.router import Router
 from tests.unit.router.helpers import beat, registry, request
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,227 @@
+"""The process table of ``strait up``: which processes a settings file asks for (``plan``: the
+router, the cache service for disaggregated pools, each pool's workers by role, the gateway, the
+planner and its warm standbys, refilled one at a time), their environment (``child_env``:
+NATS, database, compile cache, the worker's id, role and /metrics port), the planner's word
+applied (``scale``: new or activated workers, the newest surplus drained and not restarted) and
+stopping them all (``stop_all``: SIGTERM, wait, then SIGKILL; the nats-server last). A child's
+restarts are its own (``children.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from libs.settings import Settings
+from services.supervisor.children import Child, say
+from services.supervisor.nats_server import ensure_nats, port_open
+
+STOP_GRACE_S = 15.0
+# The user's own inductor cache, read before anything imports torch (torch writes its default
+# into the environment); otherwise compiled graphs go under the state dir.
+USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+@dataclass
+class Fleet:
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+    nats_proc: subprocess.Popen[bytes] | None = None
+    # The secured fleet's NATS credentials for every child (``strait up --secure``).
+    secure_env: dict[str, str] = field(default_factory=dict)
+    # Next worker index of each (pool, role), and the next workers' /metrics port.
+    next_index: dict[tuple[str, str], int] = field(default_factory=dict)
+    next_port: int = -1  # supervisor.worker_metrics_base_port until the first worker
+    # Warm standbys owed to each (pool, role) for those activated, and when the next may start
+    # loading (planner.standby_refill_s after the last activation or refill: one at a time).
+    refill_owed: dict[tuple[str, str], int] = field(default_factory=dict)
+    refill_at: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["STRAIT_PARENT_PID"] = str(os.getpid())
+        env["NATS_URL"] = self.settings.nats.url
+        env["DATABASE_URL"] = self.settings.database_url
+        env.setdefault("STRAIT_TELEMETRY__LOG_JSON", "false")
+        env.update(self.secure_env)
+        # Compiled graphs (engine.compile) live with the fleet's state, warmed by warm_pools.
+        env["TORCHINDUCTOR_CACHE_DIR"] = USER_INDUCTOR_DIR or str(self.settings.compile_cache_dir)
+        env.update(extra)
+        return env
+
+    def ensure_nats(self, secure: bool = False) -> None:
+        local = ensure_nats(self.settings, secure)
+        self.nats_proc, self.secure_env = local.proc, local.env
+
+    def plan(self) -> None:
+        cli = self.cli()
+        self.children.append(Child("router", [*cli, "router"], self.child_env()))
+        if (
+            any(p.mode == "disaggregated" for p in self.settings.pools)
+            and self.settings.cache.enabled
+        ):
+            self.children.append(Child("cache", [*cli, "cache"], self.child_env()))
+        for pool in self.settings.pools:
+            disagg = pool.mode == "disaggregated"
+            # (role, count): aggregated workers, or decode + prefill.
+            kinds = [("decode" if disagg else "aggregated", pool.workers)]
+            if disagg:
+                kinds.append(("prefill", pool.prefill_workers))
+            for role, count in kinds:
+                for _ in range(count):
+                    self.children.append(self.worker_child(pool.name, role))
+        self.children.append(Child("gateway", [*cli, "gateway"], self.child_env()))
+        if self.settings.planner.enabled:
+            self.children.append(Child("planner", [*cli, "planner"], self.child_env()))
+            for pool in self.settings.pools:
+                for role in self.roles(pool.name):
+                    self.children += [
+                        self.worker_child(pool.name, role, standby=True)
+                        for _ in range(self.settings.planner.warm_standby)
+                    ]
+
+    def roles(self, pool: str) -> tuple[str, ...]:
+        p = self.settings.pool(pool)
+        if p is None:
+            return ()
+        return ("decode", "prefill") if p.mode == "disaggregated" else ("aggregated",)
+
+    @staticmethod
+    def cli() -> list[str]:
+        return [sys.executable, "-m", "services.cli"]
+
+    def worker_child(self, pool: str, role: str, standby: bool = False) -> Child:
+        """A worker of ``role`` in ``pool`` with the next id (``<pool>-w<i>``, prefill
+        ``<pool>-p<i>``) and the next free /metrics port; not started. ``standby``: it loads
+        and then waits for SIGUSR1 (``activate``) before it beats and takes work."""
+        i = self.next_index.get((pool, role), 0)
+        self.next_index[(pool, role)] = i + 1
+        wid = f"{pool}-{'p' if role == 'prefill' else 'w'}{i}"
+        if self.next_port < 0:
+            self.next_port = self.settings.supervisor.worker_metrics_base_port
+        port = self.next_port
+        if port:
+            while port_open("127.0.0.1", port):  # taken by another program
+                port += 1
+            self.next_port = port + 1
+        env = self.child_env(
+            STRAIT_WORKER__POOL=pool,
+            STRAIT_WORKER__WORKER_ID=wid,
+            STRAIT_WORKER__ROLE=role,
+            STRAIT_WORKER__METRICS_PORT=str(port),
+            STRAIT_WORKER__STANDBY="true" if standby else "false",
+        )
+        name = f"{role} {wid}" + (" (standby)" if standby else "")
+        argv = [*self.cli(), "worker", "--role", role]
+        return Child(name, argv, env, pool=pool, role=role, standby=standby)
+
+    def workers(self, pool: str, role: str) -> list[Child]:
+        """The pool role's serving workers that are not draining away."""
+        return [
+            c
+            for c in self.children
+            if c.pool == pool
+            and c.role == role
+            and not c.retiring
+            and not c.standby
+            and not c.given_up
+        ]
+
+    def activate_standby(self, pool: str, role: str) -> Child | None:
+        """Turn one live standby worker of the pool role into a serving one (SIGUSR1) and owe
+        the pool role a new standby (``refill_standby``); None when there is none ready."""
+        ready = [
+            c
+            for c in self.children
+            if c.pool == pool and c.role == role and c.standby and c.alive() and c.proc
+        ]
+        if not ready:
+            return None
+        c = ready[0]
+        assert c.proc is not None
+        c.proc.send_signal(signal.SIGUSR1)
+        c.standby = False
+        # Restarted after a crash it must serve, not wait again.
+        c.env["STRAIT_WORKER__STANDBY"] = "false"
+        c.name = c.name.removesuffix(" (standby)")
+        key = (pool, role)
+        self.refill_owed[key] = self.refill_owed.get(key, 0) + 1
+        self.refill_at[key] = time.monotonic() + self.settings.planner.standby_refill_s
+        return c
+
+    def refill_standby(self, now: float) -> None:
+        """Start one owed standby per pool role once ``planner.standby_refill_s`` has passed
+        since the last activation or refill there: a replacement loads its model on the
+        machine's cores, so it waits for the wave that used its predecessor, and several load
+        one after another, not together."""
+        for key, owed in self.refill_owed.items():
+            if owed <= 0 or now < self.refill_at.get(key, 0.0):
+                continue
+            spare = self.worker_child(*key, standby=True)
+            self.children.append(spare)
+            spare.start()
+            say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
+            self.refill_owed[key] = owed - 1
+            self.refill_at[key] = now + self.settings.planner.standby_refill_s
+
+    def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
+        """The local actuator's word (services/planner/actuators.py): start workers up to
+        ``replicas``, or drain the newest surplus ones (SIGTERM: no new work, running requests
+        finish or migrate, then the process exits and is not restarted)."""
+        if self.settings.pool(pool) is None:
+            return
+        live = self.workers(pool, role)
+        for _ in range(replicas - len(live)):
+            c = self.activate_standby(pool, role)
+            if c is not None:
+                say(f"planner: activated {c.name} from warm standby ({reason})")
+                continue
+            c = self.worker_child(pool, role)
+            self.children.append(c)
+            c.start()
+            say(f"planner: started {c.name} (pid {c.proc.pid if c.proc else '?'}; {reason})")
+        for c in live[replicas:][::-1] if len(live) > replicas else []:
+            c.retiring = True
+            if c.alive() and c.proc is not None:
+                c.proc.send_signal(signal.SIGTERM)
+            say(f"planner: draining {c.name} ({reason})")
+
+    def start_all(self) -> None:
+        for c in self.children:
+            c.start()
+            say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'})")
+
+    def watch(self) -> None:
+        """Forget the drained workers that exited; restart or give up the others that did
+        (``Child.watch``)."""
+        for c in [c for c in self.children if c.retiring and not c.alive()]:
+            self.children.remove(c)
+            code = c.proc.returncode if c.proc is not None else None
+            say(f"{c.name} drained and exited ({code})")
+        now = time.monotonic()
+        self.refill_standby(now)
+        for c in self.children:
+            c.watch(self.settings.supervisor, now)
+
+    def stop_all(self) -> None:
+        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.nats_proc is not None:
+            self.nats_proc.terminate()
+            try:
+                self.nats_proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.nats_proc.kill()
+        say("fleet stopped")
