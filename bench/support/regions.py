@@ -15,6 +15,7 @@ written by the ledger region's gateway alone.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 import msgspec
+from nats.js.errors import ServiceUnavailableError
 
 from bench.support.nats_servers import NatsCluster
 from bench.support.procs import ProcessFleet
@@ -287,7 +289,15 @@ async def route_events(
     out: dict[str, RouteDecision] = {}
     try:
         js = nc.jetstream(timeout=10.0)
-        info = await js.stream_info(stream)
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:  # a meta leader being elected (a gateway link just back) answers 503
+                info = await js.stream_info(stream)
+                break
+            except ServiceUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
         last = info.state.last_seq
         seq = info.state.first_seq
         psub = await js.pull_subscribe(subject, stream=stream)
