@@ -81,7 +81,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
@@ -90,13 +89,16 @@ from typing import Any
 import httpx
 
 from bench.gateway_load import UNBOUNDED, UNBOUNDED_GATEWAY
+from bench.support.nats_servers import NatsCluster, NatsServer, run_sync
 from bench.support.procs import ProcessFleet
-from bench.support.services import free_port, nats_binary, wait_port
+from bench.support.services import free_port
 from libs.nats_util import server_urls
 
 MODEL = "fake-model"
 ROUTE_RETRY = "Error trying to connect to route"
 STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
+# Two regions (bench/chaos_regions.py, docs/regions.md).
+REGION_SCENARIOS = ["region-workers", "region-nats", "region-link"]
 SCENARIOS = [
     "kill-worker",
     "sigstop-worker",
@@ -111,6 +113,7 @@ SCENARIOS = [
     "kill-decode",
     "kill-prefill",
     "kill-cache",
+    *REGION_SCENARIOS,
 ]
 PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
 PG_CATCHUP_S = 60.0  # postgres-outage: bound on the wait for the ledger to catch up after
@@ -138,199 +141,6 @@ class Opts:
 
 
 # ============================================================================ processes
-
-
-class NatsServer:
-    """A JetStream nats-server on a fixed free port; ``restart`` keeps the port and the store."""
-
-    def __init__(self, tmp: Path) -> None:
-        binary = nats_binary()
-        if binary is None:
-            raise SystemExit("nats-server not found next to the Python executable (.venv/bin)")
-        self.binary = binary
-        self.port = free_port()
-        self.store = tmp / "nats"
-        self.store.mkdir(parents=True, exist_ok=True)
-        self.conf = self.store / "nats.conf"
-        self.conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\nmax_payload: {8 * 1024 * 1024}\n'
-            f'jetstream {{ store_dir: "{self.store}" }}\n'
-        )
-        self.log = open(tmp / "nats-server.log", "ab")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    @property
-    def live_url(self) -> str:
-        return self.url
-
-    @property
-    def log_paths(self) -> list[Path]:
-        return [Path(self.log.name)]
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT
-        )
-        if not wait_port(self.port, 15):
-            raise RuntimeError("nats-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
-    """A coroutine run to its end from synchronous code (also inside a running event loop)."""
-    with ThreadPoolExecutor(1) as ex:
-        return ex.submit(asyncio.run, coro).result()
-
-
-class NatsCluster:
-    """``n`` JetStream nats-servers on this machine forming one cluster: each with its own store
-    dir, ``server_name`` ``n<i>``, client, cluster and monitoring ports, and routes to the others.
-    ``start`` waits for a JetStream meta leader and creates Strait's streams with ``replicas``
-    copies; ``url`` lists every server, comma-separated (``nats.url`` of the fleet)."""
-
-    def __init__(self, tmp: Path, n: int = 3, replicas: int = 3) -> None:
-        binary = nats_binary()
-        if binary is None:
-            raise SystemExit("nats-server not found next to the Python executable (.venv/bin)")
-        self.binary, self.n, self.replicas = binary, n, replicas
-        self.ports = [free_port() for _ in range(n)]
-        self.cluster_ports = [free_port() for _ in range(n)]
-        self.http_ports = [free_port() for _ in range(n)]
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
-        self.killed: list[int] = []
-        self.confs: list[Path] = []
-        self.logs = [open(tmp / f"nats-server{i}.log", "ab") for i in range(n)]
-        self.info: dict[str, Any] = {}  # what the scenario saw of the cluster (for the JSON)
-        for i in range(n):
-            store = tmp / f"nats{i}"
-            store.mkdir(parents=True, exist_ok=True)
-            routes = ", ".join(
-                f'"nats://127.0.0.1:{p}"' for j, p in enumerate(self.cluster_ports) if j != i
-            )
-            conf = store / "nats.conf"
-            conf.write_text(
-                f'server_name: "n{i}"\nlisten: "127.0.0.1:{self.ports[i]}"\n'
-                f'http: "127.0.0.1:{self.http_ports[i]}"\nmax_payload: {8 * 1024 * 1024}\n'
-                f'jetstream {{ store_dir: "{store}" }}\n'
-                f'cluster {{\n  name: "strait-chaos"\n  listen: "127.0.0.1:{self.cluster_ports[i]}"'
-                f"\n  routes: [{routes}]\n}}\n"
-            )
-            self.confs.append(conf)
-
-    def node_url(self, i: int) -> str:
-        return f"nats://127.0.0.1:{self.ports[i]}"
-
-    @property
-    def url(self) -> str:
-        return ",".join(self.node_url(i) for i in range(self.n))
-
-    def alive(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
-
-    @property
-    def live_url(self) -> str:
-        return ",".join(self.node_url(i) for i in self.alive())
-
-    @property
-    def log_paths(self) -> list[Path]:
-        return [Path(f.name) for f in self.logs]
-
-    def start(self) -> None:
-        for i in range(self.n):
-            self.procs[i] = subprocess.Popen(
-                [self.binary, "-c", str(self.confs[i])],
-                stdout=self.logs[i],
-                stderr=subprocess.STDOUT,
-            )
-        for port in self.ports:
-            if not wait_port(port, 15):
-                raise RuntimeError(f"nats-server on {port} did not start")
-        self.info["meta_leader_at_start"] = self.wait_meta_leader(30.0)
-        run_sync(self.provision(30.0))
-
-    def monitor(self, i: int, path: str) -> dict[str, Any] | None:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{self.http_ports[i]}/{path}", timeout=1)
-            return dict(r.json())
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def meta_leader(self) -> str | None:
-        """The JetStream meta leader every live server agrees on (None: no agreement yet)."""
-        views = [(self.monitor(i, "jsz") or {}).get("meta_cluster") or {} for i in self.alive()]
-        leaders = {v.get("leader") or "" for v in views}
-        return leaders.pop() if len(leaders) == 1 and "" not in leaders else None
-
-    def wait_meta_leader(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while (leader := self.meta_leader()) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the NATS cluster elected no JetStream meta leader")
-            time.sleep(0.2)
-        return leader
-
-    async def provision(self, timeout: float) -> None:
-        """Strait's streams with ``replicas`` copies (retried while the peers catch up)."""
-        import nats
-
-        from libs.nats_util import provision
-        from libs.settings import NatsSettings
-
-        settings = NatsSettings(url=self.url, stream_replicas=self.replicas)
-        nc = await nats.connect(servers=server_urls(self.url), name="chaos-provision")
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    await provision(nc.jetstream(timeout=5), settings)
-                    return
-                except Exception as e:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"streams not created on the cluster: {e!r}") from e
-                    await asyncio.sleep(0.5)
-        finally:
-            await nc.close()
-
-    def connections(self) -> list[list[str]]:
-        """Names of the client connections on each server (the harness's own are ``chaos-*``);
-        [] for a server that does not answer."""
-        out = []
-        for i in range(self.n):
-            conns = (self.monitor(i, "connz?limit=4096") or {}).get("connections") or []
-            out.append([str(c.get("name") or "") for c in conns])
-        return out
-
-    def kill(self, i: int) -> None:
-        p = self.procs[i]
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-        self.killed.append(i)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            if p is None:
-                continue
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 class SqliteLedger:
@@ -1181,15 +991,17 @@ async def run_scenario(
     settle: float = 0.0,
     before_measure: Callable[[Fleet, Load], Coroutine[Any, Any, dict[str, Any]]] | None = None,
     prompts: list[str] | None = None,
+    fleet_class: type[Fleet] | None = None,
     **fleet_kw: Any,
 ) -> dict[str, Any]:
     """One scenario on a fleet of its own; ``settle``: seconds to wait after the load before
     measuring (for what happens later, such as a redelivery); ``before_measure``: the
     scenario's own wait and figures, merged into its row; ``prompts``: greedy requests of
-    these prompts only, each compared with its uninterrupted text (fetched first)."""
+    these prompts only, each compared with its uninterrupted text (fetched first);
+    ``fleet_class``: another shape of fleet (bench.chaos_regions's two regions)."""
     t0 = time.monotonic()
     print(f"[{name}] starting the fleet ...", file=sys.stderr, flush=True)
-    with Fleet(opts.run_dir / name, opts, **fleet_kw) as fleet:
+    with (fleet_class or Fleet)(opts.run_dir / name, opts, **fleet_kw) as fleet:
         load = Load(fleet, opts)
         refs = None
         if prompts:
@@ -1767,11 +1579,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines)
 
 
+def runner(name: str) -> Callable[[Opts], Awaitable[dict[str, Any]]]:
+    if name in REGION_SCENARIOS:  # their module imports this one
+        from bench.chaos_regions import RUNNERS as REGION_RUNNERS
+
+        return REGION_RUNNERS[name]
+    return RUNNERS[name]
+
+
 async def campaign(names: list[str], opts: Opts) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         try:
-            rows.append(await RUNNERS[name](opts))
+            rows.append(await runner(name)(opts))
         except Exception as e:  # a fleet that would not start: say so, go on
             print(f"[{name}] could not run: {e!r}", file=sys.stderr, flush=True)
     return rows
@@ -1803,7 +1623,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the rows to this file")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNNERS]
+    unknown = [n for n in names if n not in RUNNERS and n not in REGION_SCENARIOS]
     if unknown:
         p.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
     run_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="strait-chaos-"))
@@ -1822,7 +1642,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"chaos: logs under {run_dir}", file=sys.stderr, flush=True)
     rows = asyncio.run(campaign(names, opts))
-    if any(n not in DISAGG for n in names):
+    if any(n in REGION_SCENARIOS for n in names):
+        print(
+            f"\n{', '.join(n for n in names if n in REGION_SCENARIOS)}: two regions (NATS "
+            f"clusters a and b joined by a gateway), each a router, 2 FAKE-engine workers and a "
+            f"gateway; per_token_s {opts.per_token_s}, max_tokens {opts.max_tokens}, "
+            f"{opts.streams} streams over both gateways, all HTTP; bound {opts.bound:g} s\n"
+        )
+    if any(n not in DISAGG and n not in REGION_SCENARIOS for n in names):
         print(
             f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
             f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "

@@ -92,7 +92,7 @@ class CacheClient:
         self._nc = nc
         self._settings = settings
         self._cfg = settings.cache
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
 
     @property
     def enabled(self) -> bool:

@@ -25,9 +25,12 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    Placement,
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
+    SubjectTransform,
 )
 from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 
@@ -148,35 +151,103 @@ def batch_stream_config(settings: NatsSettings, window_s: float, dedupe_s: float
     )
 
 
+def regional_name(settings: NatsSettings, name: str, region: str | None = None) -> str:
+    """The name of stream ``name`` of ``region`` (default: the process's own):
+    ``<name>-<region>``, or ``name`` in a fleet of one region. Stream names are one namespace
+    across a supercluster, so each region's copy needs its own."""
+    region = settings.region if region is None else region
+    return f"{name}-{region}" if region else name
+
+
+def _placement(settings: NatsSettings, region: str | None = None) -> Placement | None:
+    """The stream in ``region``'s cluster (the process's own by default); None: anywhere."""
+    region = settings.region if region is None else region
+    return Placement(cluster=region) if region else None
+
+
 def stream_configs(settings: NatsSettings) -> list[StreamConfig]:
-    """The JetStream streams Strait uses, with their limits."""
-    subjects = Subjects(settings.subject_prefix)
+    """The JetStream streams of the process's region (every stream, in a fleet of one region),
+    with their limits. The ledger's view of every region's events is ``ledger_stream_config``."""
+    subjects = Subjects.of(settings)
     return [
         # The fleet's own requests; each team's have a stream of their own
         # (team_stream_config), which routers read beside this one.
-        _requests_queue(settings, settings.requests_stream, subjects.requests),
-        StreamConfig(
-            name=settings.events_stream,
-            subjects=[subjects.events_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=settings.events_max_age_s,
-            num_replicas=settings.stream_replicas,
+        _requests_queue(
+            settings,
+            regional_name(settings, settings.requests_stream),
+            subjects.requests,
+            _placement(settings),
         ),
+        events_stream_config(settings),
         cache_events_stream_config(settings),
     ]
+
+
+def events_stream_config(settings: NatsSettings, region: str | None = None) -> StreamConfig:
+    """Usage and route events of ``region`` (the process's own by default)."""
+    subjects = Subjects(settings.subject_prefix, settings.region if region is None else region)
+    return StreamConfig(
+        name=regional_name(settings, settings.events_stream, region),
+        subjects=[subjects.events_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.events_max_age_s,
+        num_replicas=settings.stream_replicas,
+        placement=_placement(settings, region),
+    )
+
+
+def fleet_regions(settings: NatsSettings) -> list[str]:
+    """Every region of the fleet (``nats.regions``, else the process's own; [] for none)."""
+    if settings.regions:
+        return list(settings.regions)
+    return [settings.region] if settings.region else []
+
+
+def ledger_stream_config(settings: NatsSettings) -> StreamConfig:
+    """The events the ledger writer reads, ``events_stream``. One region: the events stream
+    itself. Regions: a stream of no subjects of its own, in ``ledger_region``'s cluster, that
+    sources every region's events stream, each message's subject mapped back to the region-less
+    one (``<prefix>.region.<r>.events.usage`` → ``<prefix>.events.usage``), so the ledger and
+    every observer read one stream as with one region. A region cut off delays its rows: the
+    source resumes from where it stopped when the link returns (decision 0027)."""
+    regions = fleet_regions(settings)
+    if not regions:
+        return events_stream_config(settings)
+    plain = Subjects(settings.subject_prefix)
+    return StreamConfig(
+        name=settings.events_stream,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.events_max_age_s,
+        num_replicas=settings.stream_replicas,
+        placement=_placement(settings, settings.ledger_region or regions[0]),
+        sources=[
+            StreamSource(
+                name=regional_name(settings, settings.events_stream, r),
+                subject_transforms=[
+                    SubjectTransform(
+                        src=Subjects(settings.subject_prefix, r).events_all,
+                        dest=plain.events_all,
+                    )
+                ],
+            )
+            for r in regions
+        ],
+    )
 
 
 def cache_events_stream_config(settings: NatsSettings) -> StreamConfig:
     """The prefix-cache service's stored/evicted events: kept (not consumed) so that any
     number of readers can replay them from the start to rebuild the set of held blocks."""
     return StreamConfig(
-        name=settings.cache_events_stream,
-        subjects=[Subjects(settings.subject_prefix).cache_events],
+        name=regional_name(settings, settings.cache_events_stream),
+        subjects=[Subjects.of(settings).cache_events],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=settings.cache_events_max_age_s,
         num_replicas=settings.stream_replicas,
+        placement=_placement(settings),
     )
 
 
@@ -198,9 +269,12 @@ def team_stream_config(settings: NatsSettings, team: str) -> StreamConfig:
     return _requests_queue(settings, team_stream_name(settings, team), subject)
 
 
-def _requests_queue(settings: NatsSettings, name: str, subject: str) -> StreamConfig:
+def _requests_queue(
+    settings: NatsSettings, name: str, subject: str, placement: Placement | None = None
+) -> StreamConfig:
     """A work queue of requests on ``subject``, each kept once per ``Nats-Msg-Id``."""
     return StreamConfig(
+        placement=placement,
         name=name,
         subjects=[subject],
         retention=RetentionPolicy.WORK_QUEUE,

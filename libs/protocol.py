@@ -122,6 +122,11 @@ class RouteReason(Struct):
     factors: list[str] = msgspec.field(default_factory=list)
     overlap_blocks: int = 0
     cost: float | None = None
+    # The worker's region ("": a fleet of one region). A placement outside the router's own
+    # region says why in ``cross_region``: "no_local_worker" (none live in the pool there) or
+    # "local_saturated" (every one at router.saturation_load); "" for a local one.
+    region: str = ""
+    cross_region: str = ""
 
 
 class Migration(Struct, kw_only=True):
@@ -312,6 +317,9 @@ class WorkerBeat(Struct, kw_only=True):
     # The decode rows' predicted step time over the pool's ITL target (LoadInfo.step_load):
     # >= 1 saturated; the router counts it as load.
     step_load: float = 0.0
+    # The worker's region (``nats.region``, its NATS cluster; "": one region): routers place
+    # in their own region first (docs/regions.md).
+    region: str = ""
 
 
 class RouterBeat(Struct, kw_only=True):
@@ -666,14 +674,28 @@ CacheFetchAnswer = CacheFetchReply | ErrorMessage
 
 
 class Subjects:
-    """Every subject name, built from one prefix. Wildcards are for subscribers."""
+    """Every subject name, built from one prefix. Wildcards are for subscribers.
 
-    def __init__(self, prefix: str = "strait.v1") -> None:
+    With a ``region`` (``nats.region``, docs/regions.md) the subjects JetStream stores and the
+    prefix-cache service's are the region's own, ``<prefix>.region.<region>.…``: each region's
+    requests, events and cache live in its own cluster's streams, and its prefix cache answers
+    its own workers. Every other subject (beats, work, streams, cancels) is one name for the
+    whole supercluster and crosses the gateways."""
+
+    def __init__(self, prefix: str = "strait.v1", region: str = "") -> None:
         self.prefix = prefix
+        self.region = region
+        self.regional = f"{prefix}.region.{region}" if region else prefix
+
+    @classmethod
+    def of(cls, nats: Any) -> Subjects:
+        """The subjects of a process configured by ``nats`` (``NatsSettings``: its prefix and
+        region)."""
+        return cls(nats.subject_prefix, nats.region)
 
     @property
     def requests(self) -> str:
-        return f"{self.prefix}.requests"
+        return f"{self.regional}.requests"
 
     @property
     def team_requests_all(self) -> str:
@@ -780,16 +802,16 @@ class Subjects:
         return f"{self.prefix}.kv_events.*"
 
     def event(self, kind: Literal["usage", "route"]) -> str:
-        return f"{self.prefix}.events.{kind}"
+        return f"{self.regional}.events.{kind}"
 
     @property
     def worker_usage(self) -> str:
         """Workers' own UsageEvent of each finished request (source "worker"), for the ledger."""
-        return f"{self.prefix}.events.usage.worker"
+        return f"{self.regional}.events.usage.worker"
 
     @property
     def events_all(self) -> str:
-        return f"{self.prefix}.events.>"
+        return f"{self.regional}.events.>"
 
     def batch(self, batch_id: str) -> str:
         """The lines of one batch (``BatchLine``; purged by subject when it is cancelled)."""
@@ -834,19 +856,19 @@ class Subjects:
 
     @property
     def cache_lookup(self) -> str:
-        return f"{self.prefix}.cache.lookup"
+        return f"{self.regional}.cache.lookup"
 
     @property
     def cache_fetch(self) -> str:
-        return f"{self.prefix}.cache.fetch"
+        return f"{self.regional}.cache.fetch"
 
     @property
     def cache_store(self) -> str:
-        return f"{self.prefix}.cache.store"
+        return f"{self.regional}.cache.store"
 
     @property
     def cache_events(self) -> str:
-        return f"{self.prefix}.cache.events"
+        return f"{self.regional}.cache.events"
 
 
 # ---------------------------------------------------------------- codec

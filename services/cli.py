@@ -256,7 +256,7 @@ def _drain(settings: Settings, worker_id: str, reason: str) -> int:
         nc = await connect(settings.nats, "strait-drain")
         try:
             msg = DrainRequest(worker_id=worker_id, reason=reason)
-            subject = Subjects(settings.nats.subject_prefix).drain(worker_id)
+            subject = Subjects.of(settings.nats).drain(worker_id)
             await nc.request(subject, encode(msg), timeout=settings.router.assign_timeout_s)
         except (NoRespondersError, NatsTimeout):
             print(f"no worker {worker_id!r} answered", file=sys.stderr)

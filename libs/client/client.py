@@ -183,6 +183,7 @@ class StraitClient:
         nc: NATS | str | None = None,
         *,
         prefix: str = "strait.v1",
+        region: str = "",
         api_key_id: str | None = None,
         events_stream: str = "STRAIT_EVENTS",
         max_payload: int | None = None,
@@ -203,7 +204,9 @@ class StraitClient:
         self._nc: NATS | None = None if isinstance(nc, str) else nc
         self._url = nc if isinstance(nc, str) else ""
         self._owns_connection = isinstance(nc, str)
-        self.subjects = Subjects(prefix)
+        # A region's clients send to its requests stream and report usage to its events
+        # (docs/regions.md); their streams come back from whichever region ran them.
+        self.subjects = Subjects(prefix, region)
         self.api_key_id = api_key_id
         self.events_stream = events_stream
         self.max_payload = max_payload
@@ -240,6 +243,7 @@ class StraitClient:
         return cls(
             nc if nc is not None else n.url,
             prefix=n.subject_prefix,
+            region=n.region,
             events_stream=n.events_stream,
             max_payload=n.max_payload,
             **kwargs,

@@ -382,8 +382,8 @@ def _subject_rows(settings: NatsSettings) -> list[str]:
     members = {
         n
         for n, v in inspect.getmembers(Subjects)
-        # team_of and addressed parse subjects; they name none
-        if not n.startswith("_") and n not in ("prefix", "team_of", "addressed")
+        # team_of and addressed parse subjects, of builds a Subjects; they name none
+        if not n.startswith("_") and n not in ("prefix", "team_of", "addressed", "of")
     }
     missing = members - SUBJECTS.keys()
     if missing:

@@ -27,7 +27,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from libs.db import Database
 from libs.db.models import RequestRow
 from libs.log import fields
-from libs.nats_util import ensure_consumer, ensure_stream, stream_configs
+from libs.nats_util import ensure_consumer, ensure_stream, ledger_stream_config
 from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
 from libs.settings import Settings
 
@@ -141,6 +141,8 @@ class LedgerWriter:
         self.settings = settings
         self.js = js
         self.db = db
+        # The region-less names: with regions, the ledger's stream sources every region's
+        # events under them (``ledger_stream_config``).
         subjects = Subjects(settings.nats.subject_prefix)
         # Gateways' and clients' events, and workers' own (the row exists when the gateway or
         # client is gone; otherwise theirs wins, in whichever order they arrive).
@@ -152,9 +154,7 @@ class LedgerWriter:
 
     async def start(self) -> None:
         stream = self.settings.nats.events_stream
-        for cfg in stream_configs(self.settings.nats):
-            if cfg.name == stream:
-                await ensure_stream(self.js, cfg)
+        await ensure_stream(self.js, ledger_stream_config(self.settings.nats))
         await ensure_consumer(
             self.js,
             stream,

@@ -184,7 +184,7 @@ class SecureFleet:
         """``TeamsChanged`` to the fleet's routers and workers, as the fleet."""
         nc = await connect(self.fleet_nats(), "strait-teams")
         try:
-            subject = Subjects(self.settings.nats.subject_prefix).teams_changed
+            subject = Subjects.of(self.settings.nats).teams_changed
             await nc.publish(subject, encode(TeamsChanged(revoked=revoked)))
             await nc.flush()
         finally:

@@ -67,6 +67,15 @@ class RouterSettings(Section):
     saturation_load: float = 1.0
     """Load (running + waiting over capacity) at which a worker counts as full for
     `saturation_spill`."""
+    cross_region_cost: float = Field(default=1.0, ge=0)
+    """Placement cost added to a worker of another region (as much as one fully loaded
+    worker by default). The router places in its own region (`nats.region`) while a live
+    worker of the pool there is below `saturation_load`; past that, or with none, every
+    region's workers compete with this added to the remote ones, so the nearest and least
+    loaded wins (docs/regions.md)."""
+    region_costs: dict[str, float] = Field(default_factory=dict)
+    """Crossing cost to particular regions (region → cost), instead of
+    `cross_region_cost`: a nearer region costs less."""
     max_attempts: int = 3
     """Placements of one request (the first, re-placements and migrations) before it ends with
     worker_lost."""

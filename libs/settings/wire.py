@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from libs.settings.section import Section
 
 
@@ -16,6 +18,18 @@ class NatsSettings(Section):
     """Bytes; must not exceed the server's max_payload. `strait up` starts its own server with this."""
     connect_timeout_s: float = 2.0
     """Seconds one connection attempt to a server may take."""
+    region: str = Field(default="", pattern=r"^([a-z0-9][a-z0-9-]{0,31})?$")
+    """The region this process is in: the name of its NATS cluster in a supercluster of
+    clusters joined by gateways (docs/regions.md). Its requests, events and prefix-cache
+    subjects become `<prefix>.region.<region>.…`, its streams `<name>-<region>`, placed in
+    that cluster; workers announce it in their beats and routers place in it first. Empty:
+    one region (every name as without regions)."""
+    regions: list[str] = Field(default_factory=list)
+    """Every region of the fleet: the ledger's events stream (`events_stream`) sources each
+    one's events stream (`<events_stream>-<region>`). Empty: this process's region alone."""
+    ledger_region: str = ""
+    """The region whose cluster holds `events_stream`, the ledger's view of every region's
+    usage (empty: the first of `regions`); the ledger writer runs there."""
     requests_stream: str = "STRAIT_REQUESTS"
     """The requests queue (the routers' work queue). Every stream is provisioned idempotently,
     by name."""

@@ -76,7 +76,7 @@ class CacheService:
         self._js = js
         self._settings = settings
         self._cfg = settings.cache
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         self.cache_id = self._cfg.cache_id or f"cache-{socket.gethostname()}-{os.getpid()}"
         self.store = BlockStore(self._cfg)
         self._events: asyncio.Queue[CacheEvent] = asyncio.Queue(maxsize=self._cfg.event_queue)

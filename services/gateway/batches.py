@@ -215,7 +215,7 @@ async def publish_lines(
             ),
         )
     lines, _ = check_lines(f.content, batch.endpoint, settings.batch.max_lines)
-    subject = Subjects(settings.nats.subject_prefix).batch(batch.id)
+    subject = Subjects.of(settings.nats).batch(batch.id)
     g = settings.gateway
     for line in lines:
         line.batch_id = batch.id
@@ -440,7 +440,7 @@ def install_batch_routes(app: FastAPI, settings: Settings) -> None:
             # Lines not yet taken leave the stream; a runner finalizes the batch (cancelled,
             # with the files of the lines answered) once none of its lines is in flight.
             try:
-                subject = Subjects(settings.nats.subject_prefix).batch(batch_id)
+                subject = Subjects.of(settings.nats).batch(batch_id)
                 await js.purge_stream(settings.nats.batch_stream, subject=subject)
             except Exception:
                 pass  # the runner skips a cancelled batch's lines anyway

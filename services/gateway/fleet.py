@@ -52,7 +52,7 @@ class RequestTooLarge(Exception):
 class Fleet:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         self.registry = WorkerRegistry(settings.fleet.worker_ttl_s)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None

@@ -103,7 +103,7 @@ class LocalActuator:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         nc = await connect(self.settings.nats, "supervisor-plans")
-        subjects = Subjects(self.settings.nats.subject_prefix)
+        subjects = Subjects.of(self.settings.nats)
 
         async def on_plan(d: PlanDecision, msg: Msg) -> None:
             with self._lock:

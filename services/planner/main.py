@@ -60,7 +60,7 @@ _request_model = msgspec.json.Decoder(_RequestModel)
 
 async def serve(ctx: ServiceContext) -> None:
     s = ctx.settings
-    subjects = Subjects(s.nats.subject_prefix)
+    subjects = Subjects.of(s.nats)
     planner_id = f"planner-{socket.gethostname()}-{os.getpid()}"
     planner = Planner(s, planner_id, time.monotonic())
     actuate = build_actuator(s)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from libs.protocol import ErrorCode, RouteReason
 from services.router.placement import Placement
+from services.router.regions import Regions
 
 # Workers offered one decision before the router gives up with no_capacity.
 MAX_OFFERS = 4
@@ -35,16 +36,26 @@ class Decision:
     decide_s: float = 0.0
     # Disaggregated pool (the ranked workers are prefill workers): decode workers, best first.
     decode_workers: list[str] = field(default_factory=list)
+    # Why the request leaves the router's region ("" while a local worker can take it) and
+    # the router's view of the regions (regions.py).
+    cross: str = ""
+    regions: Regions | None = None
 
     def route(self, p: Placement) -> RouteReason:
+        factors = [*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"]
+        crossing = self.regions.crossing(p, self.cross) if self.regions is not None else ""
+        if crossing:
+            factors.append(f"cross_region={p.region_cost:.3f}")
         return RouteReason(
             pool=self.pool,
             worker_id=p.worker.worker_id,
             code=self.code,
             score=self.score,
-            factors=[*self.factors, f"load={p.load_cost:.3f}", f"prefill={p.prefill_cost:.3f}"],
+            factors=factors,
             overlap_blocks=p.overlap_blocks,
             cost=round(p.cost, 4),
+            region=p.worker.beat.region,
+            cross_region=crossing,
         )
 
 
@@ -71,4 +82,8 @@ def span_attributes(route: RouteReason) -> dict[str, str | int | float | list[st
         attrs["strait.difficulty"] = route.score
     if route.cost is not None:
         attrs["strait.route_cost"] = route.cost
+    if route.region:
+        attrs["strait.region"] = route.region
+    if route.cross_region:
+        attrs["strait.cross_region"] = route.cross_region
     return attrs

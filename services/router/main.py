@@ -36,6 +36,7 @@ from libs.nats_util import (
     ensure_consumer,
     ensure_team_streams,
     provision,
+    regional_name,
     team_stream_name,
     work_queue_consumer,
 )
@@ -68,16 +69,17 @@ MAX_CONCURRENT_DECISIONS = 64
 async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None = None) -> None:
     """The router service body; ``on_router`` (tests) receives the Router once it is built."""
     s = ctx.settings
-    subjects = Subjects(s.nats.subject_prefix)
+    subjects = Subjects.of(s.nats)
     nc = await connect(s.nats, "router")
     js = nc.jetstream()
     await provision(js, s.nats)
     ack_wait = s.router.assign_timeout_s * 4 + 5
     # (Requests a team sent before its own stream existed are still read from here.)
-    consumer = work_queue_consumer(
-        ROUTER_DURABLE, [subjects.requests, subjects.team_requests_all], ack_wait
-    )
-    await ensure_consumer(js, s.nats.requests_stream, consumer)
+    # A region's router reads its region's stream (placed in its cluster; docs/regions.md).
+    requests_stream = regional_name(s.nats, s.nats.requests_stream)
+    only = [subjects.requests] if s.nats.region else [subjects.requests, subjects.team_requests_all]
+    consumer = work_queue_consumer(ROUTER_DURABLE, only, ack_wait)
+    await ensure_consumer(js, requests_stream, consumer)
     registry = WorkerRegistry(s.fleet.worker_ttl_s, s.router.worker_return_wait_s)
     router = Router(nc, js, s, registry)
     if on_router is not None:
@@ -209,7 +211,7 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     ]
     for subject, endpoint in endpoints:
         await endpoint.subscribe(nc, subject)
-    psub = await js.pull_subscribe_bind(ROUTER_DURABLE, s.nats.requests_stream)
+    psub = await js.pull_subscribe_bind(ROUTER_DURABLE, requests_stream)
     await team_streams()
     ctx.serving(lambda: nc.is_connected)
 
@@ -239,8 +241,12 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
             spawn(router.stalled_streams())  # a move may wait for a worker to come back
             await team_streams()
             metrics.WATCHED.set(len(router.watch.watched))
+            regions = {s.nats.region} | {v.beat.region for v in registry.workers.values()}
             for pool in {p.name for p in s.pools} | registry.pools():
-                metrics.LIVE_WORKERS.labels(pool=pool).set(len(registry.live(pool)))
+                live = registry.live(pool)
+                for region in regions:
+                    n = sum(1 for v in live if v.beat.region == region)
+                    metrics.LIVE_WORKERS.labels(pool=pool, region=region).set(n)
 
     router_id = f"router-{socket.gethostname()}-{os.getpid()}"
 
@@ -255,9 +261,9 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
 
     sweeper = asyncio.create_task(sweep())
     beater = asyncio.create_task(beat())
-    log.info("router ready", extra=fields(pools=[p.name for p in s.pools]))
+    log.info("router ready", extra=fields(pools=[p.name for p in s.pools], region=s.nats.region))
     try:
-        await read_requests(s.nats.requests_stream, psub)
+        await read_requests(requests_stream, psub)
     finally:
         sweeper.cancel()
         beater.cancel()

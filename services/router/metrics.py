@@ -18,7 +18,16 @@ OVERLAP_BLOCKS = Histogram(
     "Prompt blocks the chosen worker already held",
     buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
-LIVE_WORKERS = Gauge("strait_router_live_workers", "Workers with a fresh beat", ["pool"])
+LIVE_WORKERS = Gauge(
+    "strait_router_live_workers",
+    "Workers with a fresh beat, by pool and region",
+    ["pool", "region"],
+)
+CROSS_REGION = Counter(
+    "strait_router_cross_region_total",
+    "Requests placed on a worker of another region than the router's (docs/regions.md)",
+    ["region", "reason"],
+)
 WATCHED = Gauge("strait_router_watched_requests", "Requests placed whose stream has not ended")
 UNWATCHED = Counter(
     "strait_router_unwatched_total", "Requests not watched for re-placement (router.max_watched)"

@@ -10,6 +10,11 @@ from its last beat, plus the assignments this router made since (``pending``), s
 not pile onto the worker whose beat looked idle. As in Dynamo's KV router, a long shared prefix
 pulls a request to the worker that holds it until that worker is loaded enough to outweigh it.
 
+A worker of another region than the router's carries a crossing cost on top
+(``router.cross_region_cost``, per region ``router.region_costs``; ``extra``): the router
+decides which workers compete (its own region's first, docs/regions.md), and the crossing cost
+orders the regions among themselves and against a saturated local one.
+
 Costs within ``tie_epsilon`` of the best are ties, and one of them is chosen at random: several
 router replicas with the same view (and no knowledge of each other's pending work) then spread
 a burst over the equally good workers instead of herding onto the first one.
@@ -38,15 +43,16 @@ class Placement:
     overlap_blocks: int
     prefill_cost: float
     load_cost: float
+    region_cost: float = 0.0
 
 
 def worker_cost(
-    view: WorkerView, prompt_tokens: int, overlap_blocks: int, w: CostWeights
+    view: WorkerView, prompt_tokens: int, overlap_blocks: int, w: CostWeights, extra: float = 0.0
 ) -> Placement:
     cached = min(overlap_blocks * view.beat.block_size, prompt_tokens)
     prefill = w.overlap_weight * (prompt_tokens - cached) / max(w.prefill_norm_tokens, 1)
     load = w.load_weight * view.load
-    return Placement(view, prefill + load, overlap_blocks, prefill, load)
+    return Placement(view, prefill + load + extra, overlap_blocks, prefill, load, extra)
 
 
 def rank(
@@ -56,8 +62,10 @@ def rank(
     weights: CostWeights,
     rng: random.Random,
     top: int = 4,
+    extra: dict[str, float] | None = None,
 ) -> list[Placement]:
-    """The ``top`` best workers, best first: a random one of the near-best, then by cost."""
+    """The ``top`` best workers, best first: a random one of the near-best, then by cost.
+    ``extra``: worker id → cost added to it (the crossing cost of another region's)."""
     if not workers:
         return []
     # NOTE: the hot loop of a decision (every live worker of the pool); kept to plain tuples,
@@ -68,7 +76,10 @@ def rank(
         b = v.beat
         cached = min(overlaps.get(b.worker_id, 0) * b.block_size, prompt_tokens)
         load = weights.load_weight * held_load(b, len(v.pending_at))
-        scored.append((prefill_per_token * (prompt_tokens - cached) + load, i))
+        cost = prefill_per_token * (prompt_tokens - cached) + load
+        if extra:
+            cost += extra.get(b.worker_id, 0.0)
+        scored.append((cost, i))
     scored.sort()
     best = scored[0][0]
     n_ties = 1
@@ -77,7 +88,14 @@ def rank(
     if n_ties > 1:
         pick = rng.randrange(n_ties)
         scored[0], scored[pick] = scored[pick], scored[0]
+    extra = extra or {}
     return [
-        worker_cost(workers[i], prompt_tokens, overlaps.get(workers[i].worker_id, 0), weights)
+        worker_cost(
+            workers[i],
+            prompt_tokens,
+            overlaps.get(workers[i].worker_id, 0),
+            weights,
+            extra.get(workers[i].worker_id, 0.0),
+        )
         for _, i in scored[:top]
     ]

@@ -96,6 +96,8 @@ class Replies:
         metrics.DECISIONS.labels(pool=route.pool, reason=route.code).inc()
         metrics.DECISION_SECONDS.observe(decision_s)
         metrics.OVERLAP_BLOCKS.observe(route.overlap_blocks)
+        if route.cross_region:
+            metrics.CROSS_REGION.labels(region=route.region, reason=route.cross_region).inc()
         ev = RouteDecision(
             request_id=req.request_id, origin=req.origin, route=route, decision_s=decision_s
         )
@@ -114,6 +116,8 @@ class Replies:
                 factors=route.factors,
                 overlap_blocks=route.overlap_blocks,
                 cost=route.cost,
+                region=route.region or None,
+                cross_region=route.cross_region or None,
                 decision_ms=round(decision_s * 1000, 3),
             ),
         )

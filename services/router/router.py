@@ -9,7 +9,8 @@
 ``decide`` picks the pool (an explicit pool or model name wins; ``auto`` is classified), spills
 to another allowed pool when the chosen one has no live worker (``router.spill_over``) or every
 worker in it is saturated (``router.saturation_spill``), hashes the prompt's prefix blocks the
-way the pool's workers do, and ranks the pool's live workers by cost (``placement``). Every
+way the pool's workers do, and ranks the pool's live workers by cost (``placement``), those of
+the router's own region first (``regions``: another region's when none here can take it). Every
 outcome carries a ``RouteReason``; no worker anywhere → a typed ``no_worker`` error with
 ``retry_after_s`` on the request's stream, unless a worker may still come to the pool
 (``WorkerRegistry.returning_until``: the router has just started, or a worker of the pool was
@@ -70,6 +71,7 @@ from services.router.holds import Holds
 from services.router.moves import Moves
 from services.router.placement import CostWeights, rank
 from services.router.prefix import PrefixHashers
+from services.router.regions import Regions
 from services.router.replies import Replies
 from services.router.teams import TeamPolicy, TeamRefusal
 from services.router.watch import StreamWatch
@@ -93,13 +95,19 @@ class Router(Holds, Moves, Replies):
         self.registry = registry
         self.classifier = classifier or build_classifier(settings)
         self.hashers = hashers or PrefixHashers(settings)
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         self.rng = rng or random.Random()
         self.weights = CostWeights(
             self.cfg.overlap_weight,
             self.cfg.load_weight,
             self.cfg.prefill_norm_tokens,
             self.cfg.tie_epsilon,
+        )
+        self.regions = Regions(
+            settings.nats.region,
+            self.cfg.cross_region_cost,
+            dict(self.cfg.region_costs),
+            self.cfg.saturation_load,
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
         self.teams = TeamPolicy(settings)
@@ -202,10 +210,13 @@ class Router(Holds, Moves, Replies):
             req, pool, first.model, first.model_id or first.model, first.block_size
         )
         overlaps = self.registry.overlaps(hashes) if hashes else {}
-        ranked = rank(workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS)
+        ranked, cross = self.regions.rank(
+            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS
+        )
         decode_workers: list[str] = []
         if ranked[0].worker.beat.role == "prefill":
-            # Decode workers hold no prompt yet: ranked by load alone (ties at random).
+            # Decode workers hold no prompt yet: ranked by load alone (ties at random), those
+            # of the prefill worker's region first (the KV blocks cross no gateway).
             decoders = [
                 w
                 for w in self.registry.live(pool, roles=("decode",), now=now)
@@ -218,7 +229,9 @@ class Router(Holds, Moves, Replies):
                     retry_after_s=self.fleet.retry_after_s,
                     pools=[pool],
                 )
-            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS)
+            home = ranked[0].worker.beat.region
+            away = {w.worker_id: self.regions.cross_cost for w in decoders if w.beat.region != home}
+            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS, away)
             decode_workers = [p.worker.worker_id for p in by_load]
         return Decision(
             pool,
@@ -228,6 +241,8 @@ class Router(Holds, Moves, Replies):
             ranked,
             time.perf_counter() - t0,
             decode_workers,
+            cross,
+            self.regions,
         )
 
     def prefix(
@@ -382,7 +397,11 @@ class Router(Holds, Moves, Replies):
         held_s = None
         if attempt == 1 and req.priority != "batch" and migration is None and not pool:
             held_s = await self.hold_while_full(req, keepalive, held)
+        t_decide = time.monotonic()
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
+        # It waited for a worker to come (or come back): the ones it found are new arrivals,
+        # whose first offers may find no route to them yet (a NATS gateway link just back).
+        waited = time.monotonic() - t_decide > self.cfg.sweep_interval_s
         if isinstance(decision, Rejection):
             if attempt > 1 and decision.code == "no_worker":
                 # Moving a lost worker's request: say what happened, not just what is missing.
@@ -422,11 +441,13 @@ class Router(Holds, Moves, Replies):
             self.registry.on_refused(route.worker_id, reserved)
             if answer is None:
                 silent.append(route.worker_id)
-        if silent and len(silent) == min(len(decision.ranked), MAX_OFFERS) and not recheck:
+        everyone_silent = silent and len(silent) == min(len(decision.ranked), MAX_OFFERS)
+        if everyone_silent and (not recheck or waited):
             # Nobody answered: the workers may have died inside their beat TTL (a kill -9 a
             # moment ago). One TTL later they have beaten again, or expired, which makes the
             # pool "coming back" when they left without draining: decide again then, and
-            # wait for the restarted worker like any request of that pool.
+            # wait for the restarted worker like any request of that pool. (Once per wait:
+            # workers that came after one get their own recheck.)
             await asyncio.sleep(self.fleet.worker_ttl_s + self.cfg.sweep_interval_s)
             return await self.place(
                 req,

@@ -47,7 +47,7 @@ class TeamRefusal:
 
 class TeamPolicy:
     def __init__(self, settings: Settings) -> None:
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         self.cfg = settings.teams
         self.path: Path = settings.teams_file
         self.limiter = RateLimiter()

@@ -76,7 +76,7 @@ class Worker:
         self.pool = settings.worker.pool
         self.role = settings.worker.role
         self.worker_id = worker_id or settings.worker.worker_id or default_worker_id(self.pool)
-        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.subjects = Subjects.of(settings.nats)
         # Every map of requests is keyed by GenerateRequest.key, (origin, id): two teams may
         # run requests of the same id here at once.
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -420,6 +420,7 @@ class Worker:
             max_model_len=self.backend.max_model_len,
             draining=self.draining,
             step_load=load.step_load,
+            region=self.subjects.region,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:

@@ -138,6 +138,12 @@ RUNS = [
         heavy=True,
     ),
     Run(
+        "regions",
+        "--requests 4 --streams 1 --max-tokens 4",
+        (r"^\| a's gateway → b's workers \(across the gateway\) \| 2/2 \|", r"^failover: "),
+        heavy=True,
+    ),
+    Run(
         "soak",
         "--minutes 0.05 --streams 2 --every 1",
         (r"^\| t \(s\) \|", r"^requests \d+, completed \d+, failed 0,"),

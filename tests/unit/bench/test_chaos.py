@@ -200,3 +200,53 @@ def test_fixed_prompts_make_greedy_requests() -> None:
     assert (body["model"], body["temperature"], body["max_tokens"]) == ("tiny", 0.0, 7)
     assert body["messages"][0]["content"] == "p1"
     assert Call(3, "http", seed=3).prompt == "Write a haiku about the number 3."
+
+
+async def test_the_link_proxy_forwards_cuts_and_restores() -> None:
+    """bench.chaos_regions.LinkProxy (the region-link scenario's gateway link)."""
+    import asyncio
+
+    from bench.chaos_regions import LinkProxy
+    from bench.support.services import free_port
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(100):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    target = await asyncio.start_server(echo, "127.0.0.1", 0)
+    listen = free_port()
+    proxy = LinkProxy({listen: target.sockets[0].getsockname()[1]})
+    proxy.start()
+    try:
+
+        async def read(r: asyncio.StreamReader) -> bytes:
+            try:
+                return await asyncio.wait_for(r.read(100), 5)
+            except ConnectionResetError:  # the proxy aborts: a reset, or an end
+                return b""
+
+        async def roundtrip() -> bytes:
+            r, w = await asyncio.open_connection("127.0.0.1", listen)
+            try:
+                w.write(b"ping")
+                await w.drain()
+            except ConnectionResetError:
+                return b""
+            data = await read(r)
+            w.close()
+            return data
+
+        assert await roundtrip() == b"ping"
+        r, w = await asyncio.open_connection("127.0.0.1", listen)
+        proxy.cut()
+        assert await read(r) == b""  # the open connection is dropped
+        assert await roundtrip() == b""  # and a new one gets nothing through
+        proxy.restore()
+        await asyncio.sleep(0.1)
+        assert await roundtrip() == b"ping"
+        w.close()
+    finally:
+        proxy.stop()
+        target.close()

@@ -260,9 +260,13 @@ def gpu_with_ttft(tmp: Path) -> Path:
     return tmp
 
 
-VARIANTS = ["base-raw", "base", "gpu", "gpu+ttft", "disagg", "gpu+disagg", "secure"]
+VARIANTS = [
+    "base-raw", "base", "gpu", "gpu+ttft", "disagg", "gpu+disagg", "secure", "region-a", "region-b"
+]  # fmt: skip
 OVERLAYS = {
     "base": K8S / "base",
+    "region-a": K8S / "overlays" / "region-a",
+    "region-b": K8S / "overlays" / "region-b",
     "secure": K8S / "overlays" / "secure",
     "gpu": K8S / "overlays" / "gpu",
     "disagg": K8S / "overlays" / "disaggregated",
@@ -523,6 +527,10 @@ def test_k8s_containers(k8s: tuple[str, list[dict[str, Any]]], tmp_path: Path) -
                     assert int(c.spec["resources"][kind]["nvidia.com/gpu"]) >= 1, c.where
         if c.role == "cache":
             assert s.cache.enabled, c.where
+        if variant.startswith("region-"):
+            region = variant.removeprefix("region-")
+            assert (s.nats.region, s.nats.regions) == (region, ["a", "b"]), c.where
+            assert s.gateway.ledger_enabled == (region == "a"), c.where
         # One ConfigMap for every role: they agree on the pools and their modes.
         pools_seen.add(json.dumps([p.model_dump() for p in s.pools], sort_keys=True))
     assert len(pools_seen) == 1, f"{variant}: roles disagree on the pools"
@@ -670,3 +678,38 @@ def test_dockerfile_builds_the_one_image() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".strait", "**/__pycache__"} <= ignored
     assert not {"libs", "services", "pyproject.toml"} & ignored
+
+
+def test_regions_deploy_two_regions_joined_by_a_gateway() -> None:
+    """deploy/regions (compose) and deploy/k8s/regions (NATS Helm values): each region's NATS
+    cluster and gateway are named after the region its Strait processes are in, every gateway
+    names both, and only the ledger's region writes the ledger."""
+    regions = DEPLOY / "regions"
+    for r in ("a", "b"):
+        values = yaml.safe_load((K8S / "regions" / f"nats-values-{r}.yaml").read_text())["config"]
+        assert values["cluster"]["merge"]["name"] == r
+        gw = values["gateway"]
+        assert gw["enabled"] and gw["merge"]["name"] == r
+        assert [g["name"] for g in gw["merge"]["gateways"]] == ["a", "b"]
+        assert values["serverNamePrefix"] == f"{r}-"
+        conf = (regions / f"nats-{r}.conf").read_text()
+        assert re.search(rf'cluster \{{\s*name: "{r}"', conf), r
+        assert re.search(rf'gateway \{{\s*name: "{r}"', conf), r
+        assert 'name: "a", url: "nats://nats-a:7222"' in conf
+        assert 'name: "b", url: "nats://nats-b:7222"' in conf
+    services = yaml.safe_load((regions / "compose.yml").read_text())["services"]
+    strait = {
+        n: svc for n, svc in services.items() if str(svc.get("image", "")).startswith("strait")
+    }
+    assert set(strait) == {f"{role}-{r}" for role in ("router", "worker", "gateway") for r in "ab"}
+    for name, svc in strait.items():
+        region = name.rsplit("-", 1)[1]
+        assert_real_subcommand(svc["command"], name)
+        env = compose_env(svc)
+        for var in env:
+            if var.startswith("STRAIT_"):
+                assert settings_field_exists(var), f"{name}: {var} is not a setting"
+        s = effective_settings(env)
+        assert (s.nats.region, s.nats.regions) == (region, ["a", "b"]), name
+        assert s.nats.url == f"nats://nats-{region}:4222", name
+        assert s.gateway.ledger_enabled == (region == "a"), name

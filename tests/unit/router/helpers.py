@@ -16,6 +16,7 @@ def beat(
     block_size: int = 4,
     draining: bool = False,
     role: str = "aggregated",
+    region: str = "",
 ) -> WorkerBeat:
     return WorkerBeat(
         worker_id=worker_id,
@@ -27,6 +28,7 @@ def beat(
         capacity=capacity,
         block_size=block_size,
         draining=draining,
+        region=region,
     )
 
 
