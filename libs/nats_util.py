@@ -210,7 +210,7 @@ def ledger_stream_config(settings: NatsSettings) -> StreamConfig:
     sources every region's events stream, each message's subject mapped back to the region-less
     one (``<prefix>.region.<r>.events.usage`` → ``<prefix>.events.usage``), so the ledger and
     every observer read one stream as with one region. A region cut off delays its rows: the
-    source resumes from where it stopped when the link returns (decision 0027)."""
+    source resumes from where it stopped when the link returns (decision 0029)."""
     regions = fleet_regions(settings)
     if not regions:
         return events_stream_config(settings)
