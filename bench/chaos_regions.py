@@ -88,6 +88,10 @@ class LinkProxy:
         except OSError:
             writer.transport.abort()
             return
+        if self.cut_now:  # cut while this connection was being made: it was not in ``conns``
+            writer.transport.abort()
+            w2.transport.abort()
+            return
         self.conns |= {writer, w2}
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

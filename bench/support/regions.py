@@ -293,6 +293,7 @@ async def route_events(
         while True:
             try:  # a meta leader being elected (a gateway link just back) answers 503
                 info = await js.stream_info(stream)
+                psub = await js.pull_subscribe(subject, stream=stream)
                 break
             except ServiceUnavailableError:
                 if time.monotonic() > deadline:
@@ -300,7 +301,6 @@ async def route_events(
                 await asyncio.sleep(0.5)
         last = info.state.last_seq
         seq = info.state.first_seq
-        psub = await js.pull_subscribe(subject, stream=stream)
         while seq <= last and last > 0:
             try:
                 msgs = await psub.fetch(256, timeout=2)

@@ -12,6 +12,7 @@ replica that died mid-batch) upserts the same row again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -27,7 +28,13 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from libs.db import Database
 from libs.db.models import RequestRow
 from libs.log import fields
-from libs.nats_util import ensure_consumer, ensure_stream, ledger_stream_config
+from libs.nats_util import (
+    ensure_consumer,
+    ensure_stream,
+    events_stream_config,
+    fleet_regions,
+    ledger_stream_config,
+)
 from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
 from libs.settings import Settings
 
@@ -154,6 +161,14 @@ class LedgerWriter:
 
     async def start(self) -> None:
         stream = self.settings.nats.events_stream
+        # Regions: every region's events stream before the stream that sources them. A source
+        # whose stream does not exist yet is retried by the server on a back-off that reached
+        # minutes in the two-region test (the ledger's stream created 4 s before region b's
+        # events stream: none of b's events arrived in 60 s). A region unreachable now is
+        # left to its own services and to the server's retries.
+        for region in fleet_regions(self.settings.nats):
+            with contextlib.suppress(Exception):
+                await ensure_stream(self.js, events_stream_config(self.settings.nats, region))
         await ensure_stream(self.js, ledger_stream_config(self.settings.nats))
         await ensure_consumer(
             self.js,
