@@ -36,9 +36,8 @@ class Fleet:
     # Next worker index of each (pool, role), and the next workers' /metrics port.
     next_index: dict[tuple[str, str], int] = field(default_factory=dict)
     next_port: int = -1  # supervisor.worker_metrics_base_port until the first worker
-    # Warm standbys owed to each (pool, role) for those activated, and when the next may start
-    # loading (planner.standby_refill_s after the last activation or refill: one at a time).
-    refill_owed: dict[tuple[str, str], int] = field(default_factory=dict)
+    # When the next replacement standby of each (pool, role) may start loading
+    # (planner.standby_refill_s after the last activation or refill: one at a time).
     refill_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def child_env(self, **extra: str) -> dict[str, str]:
@@ -153,24 +152,27 @@ class Fleet:
         # Restarted after a crash it must serve, not wait again.
         c.env["STRAIT_WORKER__STANDBY"] = "false"
         c.name = c.name.removesuffix(" (standby)")
-        key = (pool, role)
-        self.refill_owed[key] = self.refill_owed.get(key, 0) + 1
-        self.refill_at[key] = time.monotonic() + self.settings.planner.standby_refill_s
+        self.refill_at[(pool, role)] = time.monotonic() + self.settings.planner.standby_refill_s
         return c
 
     def refill_standby(self, now: float) -> None:
-        """Start one owed standby per pool role once ``planner.standby_refill_s`` has passed
-        since the last activation or refill there: a replacement loads its model on the
-        machine's cores, so it waits for the wave that used its predecessor, and several load
-        one after another, not together."""
-        for key, owed in self.refill_owed.items():
-            if owed <= 0 or now < self.refill_at.get(key, 0.0):
+        """Start one standby in each pool role that has fewer than ``planner.warm_standby``
+        (activations used them) once ``planner.standby_refill_s`` has passed since the last
+        activation or refill there: a replacement loads its model on the machine's cores, so
+        it waits for the wave that used its predecessor, and several load one after another."""
+        for key in list(self.refill_at):
+            if now < self.refill_at[key]:
+                continue
+            standbys = sum(
+                1 for c in self.children if (c.pool, c.role) == key and c.standby and not c.given_up
+            )
+            if standbys >= self.settings.planner.warm_standby:
+                del self.refill_at[key]  # refilled: nothing owed until the next activation
                 continue
             spare = self.worker_child(*key, standby=True)
             self.children.append(spare)
             spare.start()
             say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
-            self.refill_owed[key] = owed - 1
             self.refill_at[key] = now + self.settings.planner.standby_refill_s
 
     def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
