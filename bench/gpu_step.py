@@ -52,6 +52,11 @@ class Level:
     roofline_tok_s: float
     same_as_reference: str = ""
     attention: str = ""
+    # Where the run's wall time went: the steps with prompt tokens, the decode steps, the rest
+    # (between steps: the bench's own loop).
+    other_steps_ms: float = 0.0
+    decode_steps_ms: float = 0.0
+    decode_step_mean_ms: float = 0.0
 
 
 @dataclass
@@ -132,15 +137,27 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(3, vocab, (count, length), generator=g).tolist()
 
 
-def run_engine(
-    engine: Any, prompts: list[list[int]], max_tokens: int
-) -> tuple[float, int, float, list[list[int]]]:
-    """Every prompt at once; (wall s, steps, median decode-only step ms, outputs)."""
+@dataclass
+class Run:
+    wall_s: float
+    steps: int
+    decode_ms: list[float]  # each decode-only step
+    other_ms: list[float]  # each step with prompt tokens
+    outputs: list[list[int]]
+
+    @property
+    def median_decode_ms(self) -> float:
+        return statistics.median(self.decode_ms) if self.decode_ms else 0.0
+
+
+def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> Run:
+    """Every prompt at once, stepped to the end; each step timed."""
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs: list[list[int]] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy)
-    decode_steps: list[float] = []
+    decode_ms: list[float] = []
+    other_ms: list[float] = []
     steps = 0
     device = engine.runner.device
     sync(device)
@@ -148,15 +165,13 @@ def run_engine(
     while engine.has_unfinished():
         s0 = time.perf_counter()
         outs = engine.step()
-        if engine.last_step_decode_only:
-            decode_steps.append(time.perf_counter() - s0)
+        ms = (time.perf_counter() - s0) * 1e3
+        (decode_ms if engine.last_step_decode_only else other_ms).append(ms)
         steps += 1
         for out in outs:
             outputs[int(out.request_id[1:])] += out.chunk.token_ids
     sync(device)
-    wall = time.perf_counter() - t0
-    median = statistics.median(decode_steps) * 1e3 if decode_steps else 0.0
-    return wall, steps, median, outputs
+    return Run(time.perf_counter() - t0, steps, decode_ms, other_ms, outputs)
 
 
 VARIANTS = {
@@ -170,6 +185,8 @@ VARIANTS = {
     "graphs-bf16": ("bfloat16", True, False, "auto"),
     "graphs+compile-bf16": ("bfloat16", True, True, "auto"),
     "graphs+compile-fp32": ("float32", True, True, "auto"),
+    # Graphs for decode steps only (engine.cuda_graph_max_tokens = 0): prompt steps eager.
+    "graphs+compile-bf16-decode-graphs": ("bfloat16", True, True, "auto"),
     # The graphs' attention as a gather of whole blocks and torch's SDPA instead of Triton's
     # paged kernel (what the first sitting ran).
     "graphs-sdpa-bf16": ("bfloat16", True, False, "sdpa"),
@@ -177,6 +194,12 @@ VARIANTS = {
     # The same graphs captured by torch.compile(mode="reduce-overhead") (cudagraph trees) over
     # the eager forward instead of torch.cuda.CUDAGraph: the alternative decision 0018 weighs.
     "reduce-overhead-bf16": ("bfloat16", True, False, "auto"),
+}
+
+
+# Settings a variant sets beyond its tuple above.
+VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
+    "graphs+compile-bf16-decode-graphs": {"cuda_graph_max_tokens": 0},
 }
 
 
@@ -221,6 +244,12 @@ def make_engine(args: argparse.Namespace, variant: str, device: torch.device) ->
         kv_cache_bytes=args.kv_gib * 2**30,
         max_model_len=args.prompt_tokens + args.max_tokens + 16,
         cuda_attention=args.attention or attention,
+        **VARIANT_SETTINGS.get(variant, {}),
+        **(
+            {}
+            if args.graph_max_tokens is None
+            else {"cuda_graph_max_tokens": args.graph_max_tokens}
+        ),
     )
     model = build_model(args, getattr(torch, dtype), device)
     # On a CPU (a dry run) the graphs' bookkeeping runs without graphs.
@@ -253,13 +282,63 @@ def kernels_of_a_step(engine: Any, out: list[str]) -> None:
     for e in events:
         counts[e.name[:60]] = counts.get(e.name[:60], 0) + 1
     busy_us = sum(e.device_time for e in events)
+    times: dict[str, float] = {}
+    for e in events:
+        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    slow = sorted(times.items(), key=lambda kv: -kv[1])[:8]
     line = (
         f"one step of {key[0]} rows x {key[1]} blocks: {len(events)} kernels, "
-        f"{busy_us / 1e3:.2f} ms busy; " + "; ".join(f"{n} x{c}" for n, c in top)
+        f"{busy_us / 1e3:.2f} ms busy; most launched: "
+        + "; ".join(f"{n} x{c}" for n, c in top)
+        + "; most time (us): "
+        + "; ".join(f"{n} {t:.0f} (x{counts[n]})" for n, t in slow)
     )
     out.append(line)
     print("  " + line, flush=True)
+
+
+def attention_sweep(args: argparse.Namespace, device: torch.device, report: Report) -> None:
+    """Triton's paged kernel alone over SmolLM2's attention shapes, per launch shape (keys an
+    iteration, warps): microseconds a call at 1, 8, 64 and 256 rows of ``context`` keys."""
+    from libs.engine import triton_attention
+
+    if device.type != "cuda" or not triton_attention.AVAILABLE:
+        return
+    hkv, groups, d, bs = 3, 3, 64, 16
+    context = args.prompt_tokens + args.max_tokens
+    width = -(-context // bs)
+    for rows in (1, 8, 64, 256):
+        blocks = rows * width + 1
+        k = torch.randn(hkv, blocks, bs, d, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.arange(rows * width, device=device).view(rows, width)
+        lens = torch.full((rows,), context, device=device)
+        q = torch.randn(rows, hkv * groups, d, device=device, dtype=torch.bfloat16)
+        cells = []
+        args_ = (q, k, v, tables, lens, 0.125, torch.bfloat16)
+        for tile in (16, 32, 64, 128):
+            for warps in (1, 2, 4):
+                try:
+                    for _ in range(3):  # the first compiles
+                        triton_attention.paged_decode(*args_, tile=tile, num_warps=warps)
+                    # 50 calls replayed from one graph: the kernels' time, as in a step's graph.
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(50):
+                            triton_attention.paged_decode(*args_, tile=tile, num_warps=warps)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    cells.append(f"t{tile}w{warps} {(time.perf_counter() - t0) / 50 * 1e6:.1f}")
+                    del graph
+                except Exception as e:
+                    cells.append(f"t{tile}w{warps} {type(e).__name__}")
+        line = f"attention kernel @{rows} rows x {context} keys (us a call): " + ", ".join(cells)
+        report.notes.append(line)
+        print("  " + line, flush=True)
 
 
 def run_peer(args: argparse.Namespace, device: torch.device, streams: int, report: Report) -> None:
@@ -328,6 +407,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="in this order; `peer`: transformers' generate at the --peer stream counts",
     )
     p.add_argument("--attention", default="", help="engine.cuda_attention for every variant")
+    p.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=None,
+        help="engine.cuda_graph_max_tokens (default: the setting's); 0 = decode steps only",
+    )
+    p.add_argument("--sweep", action="store_true", help="time the attention kernel's shapes")
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kv-gib", type=int, default=4, help="engine.kv_cache_bytes in GiB")
@@ -365,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens",
         flush=True,
     )
+    if args.sweep:
+        attention_sweep(args, device, report)
     context = args.prompt_tokens + args.max_tokens // 2  # a decode step's mean context
     reference: dict[int, list[list[int]]] = {}
     for variant in args.variants:
@@ -395,7 +483,13 @@ def main(argv: list[str] | None = None) -> int:
                 if graphs is not None:  # warm-up: captures the graphs the timed run replays
                     run_engine(engine, prompts, args.max_tokens)
                 replays0 = graphs.replays if graphs else 0
-                wall, steps, step_ms, outputs = run_engine(engine, prompts, args.max_tokens)
+                run = run_engine(engine, prompts, args.max_tokens)
+                wall, steps, step_ms, outputs = (
+                    run.wall_s,
+                    run.steps,
+                    run.median_decode_ms,
+                    run.outputs,
+                )
                 replays = (graphs.replays if graphs else 0) - replays0
                 tokens = sum(len(o) for o in outputs)
                 roof = c / (decode_step_bytes(model, dtype, c, context) / (bw * 1e9))
@@ -408,11 +502,18 @@ def main(argv: list[str] | None = None) -> int:
                 level.attention = (
                     ("triton" if graphs.triton else "sdpa") if graphs is not None else "eager"
                 )
+                level.other_steps_ms = sum(run.other_ms)
+                level.decode_steps_ms = sum(run.decode_ms)
+                level.decode_step_mean_ms = statistics.fmean(run.decode_ms) if run.decode_ms else 0
                 report.levels.append(level)
                 print(
-                    f"  {variant} @{c}: {level.tok_s:.1f} tok/s, decode step {step_ms:.2f} ms, "
-                    f"{steps} steps ({replays} replayed, {level.attention}), roofline {roof:.0f} tok/s, "
-                    f"same as {args.variants[0]}: {same or '-'}",
+                    f"  {variant} @{c}: {level.tok_s:.1f} tok/s, decode step {step_ms:.2f} ms "
+                    f"(mean {level.decode_step_mean_ms:.2f}), {steps} steps ({replays} replayed, "
+                    f"{level.attention}), roofline {roof:.0f} tok/s, "
+                    f"same as {args.variants[0]}: {same or '-'}; wall {wall * 1e3:.1f} ms = "
+                    f"{len(run.other_ms)} prompt steps {level.other_steps_ms:.1f} + "
+                    f"{len(run.decode_ms)} decode steps {level.decode_steps_ms:.1f} + "
+                    f"between {wall * 1e3 - level.other_steps_ms - level.decode_steps_ms:.1f}",
                     flush=True,
                 )
             try:

@@ -334,13 +334,13 @@ def paged_decode_triton(
     lens: torch.Tensor,  # [T]: each token's position + 1
     scale: float,
 ) -> torch.Tensor:
-    """:func:`write_kv` (every token of the step), then Triton's paged kernel with every token
-    one query row over its own sequence's blocks; returns ``[T, H, D]`` in the query's
-    dtype."""
+    """Triton's K/V write (every token of the step, one kernel), then its paged kernel with
+    every token one query row over its own sequence's blocks; returns ``[T, H, D]`` in the
+    query's dtype."""
     from libs.engine import triton_attention
 
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]
-    write_kv(k_cache, v_cache, slot_mapping, key, value)
+    triton_attention.write_kv(k_cache, v_cache, slot_mapping, key, value)
     q = query.transpose(0, 1)  # [T, H, D], a view
     return triton_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, query.dtype)
 

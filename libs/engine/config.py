@@ -151,7 +151,7 @@ class EngineSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Speculative decoding on this engine (a pool's own `speculative` replaces it).
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
-    # On a CUDA device: steps whose every row is one decode token run as CUDA graphs, padded
+    # On a CUDA device: steps of decode tokens run as CUDA graphs, padded
     # to the next of `cuda_graph_batch_sizes` rows (and a power of two of block-table columns),
     # captured as the engine starts (the two smallest) or on first use
     # (libs/engine/cuda_graphs.py, decision 0018). With `compile` the captured forward is
@@ -160,6 +160,11 @@ class EngineSettings(BaseModel):
     cuda_graph_batch_sizes: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
     )
+    # Steps that carry prompt tokens (prefill chunks, mixed steps, speculative proposals) run
+    # as the same graphs when they hold at most this many tokens, every token one row (their
+    # logits computed for every row, the sampled ones kept); longer steps run eager. 0: only
+    # steps of decode tokens use graphs.
+    cuda_graph_max_tokens: int = Field(default=256, ge=0)
     # Attention in those graphs: "triton" reads each row's blocks in place with Strait's Triton
     # kernel (libs/engine/triton_attention.py), "sdpa" gathers them for torch's SDPA; "auto" is
     # "triton" where Triton is installed (torch's CUDA wheels carry it) and the head size is a

@@ -1,9 +1,14 @@
-"""Decode steps replayed as CUDA graphs (decision 0018).
+"""Steps replayed as CUDA graphs (decision 0018).
 
 A step of a 135M model on a GPU is a thousand small kernels: launched one by one from Python it
 costs ~18 ms whatever the batch (performance.md, "CUDA"); replayed from a captured graph, the
 launches cost the GPU microseconds and the host nothing. A graph replays fixed shapes at fixed
-addresses, so the runner sends here only steps whose every row is one decode token, and
+addresses. Its rows are tokens, each one query over its own sequence's blocks seeing keys
+``0..p`` at position ``p`` (both attentions here read a row's keys through its own table and
+length, whatever the other rows are), so the runner sends here every step of decode tokens
+and, up to ``engine.cuda_graph_max_tokens`` tokens, steps that carry prompt tokens (each
+token's row given its sequence's table; the runner keeps the logits of the rows that sample).
+The runner
 
 - pads the rows to the next of ``engine.cuda_graph_batch_sizes`` and the block-table width to
   the next power of two: one graph per (rows, width) pair, captured the first time a step
@@ -105,7 +110,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The decode-step graphs of one model runner, keyed by (rows, table width)."""
+    """The step graphs of one model runner, keyed by (rows, table width)."""
 
     def __init__(
         self,
@@ -164,10 +169,10 @@ class DecodeGraphs:
         slots: list[int],
         tables: list[list[int]],
     ) -> torch.Tensor | None:
-        """Logits ``[B, vocab]`` float32 of a step of B decode tokens (token ``i`` of sequence
-        ``i`` at ``positions[i]``, its K/V to ``slots[i]``, its blocks ``tables[i]``), or None
-        when no graph holds it. The tensor is the graph's output buffer: read it before the
-        next call."""
+        """Logits ``[B, vocab]`` float32 of a step of B token rows (row ``i`` at
+        ``positions[i]`` of its sequence, its K/V to ``slots[i]``, its sequence's blocks
+        ``tables[i]``), or None when no graph holds it. The tensor is the graph's output
+        buffer: read it before the next call."""
         b = len(input_ids)
         key = self.bucket(b, max(len(t) for t in tables))
         if key is None:

@@ -28,6 +28,7 @@ UNSHAPING = {
     # CUDA only: they shape no CPU graph.
     "cuda_graphs",
     "cuda_graph_batch_sizes",
+    "cuda_graph_max_tokens",
     "cuda_attention",
 }
 # Modules whose source shapes the compiled graph, relative to libs/engine.

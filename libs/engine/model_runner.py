@@ -154,6 +154,9 @@ class ModelRunner:
         self.compiled: Any = None
         self.aot: AotForward | None = None
         self.graphs: DecodeGraphs | None = None  # decode steps as graphs (set below)
+        # Steps with prompt tokens replay graphs up to this many tokens (decision 0018).
+        self.graph_max_tokens = settings.cuda_graph_max_tokens
+        self.prompt_graph_steps = 0  # steps with prompt tokens that replayed a graph
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
@@ -202,16 +205,20 @@ class ModelRunner:
                 return compiled(self.model, **inputs)
 
         max_len = self.shape.context_limit(settings.max_model_len)
-        # The buckets up to the first that holds max_num_seqs rows (or max_num_seqs itself).
-        n_max = settings.max_num_seqs
-        sizes = sorted(n for n in settings.cuda_graph_batch_sizes if n < n_max)
-        sizes.append(batch_bucket(n_max, sorted(settings.cuda_graph_batch_sizes)) or n_max)
+        # The buckets up to the first that holds max_num_seqs rows (or max_num_seqs itself),
+        # and likewise up to engine.cuda_graph_max_tokens for steps with prompt tokens.
+        listed = sorted(settings.cuda_graph_batch_sizes)
+        sizes: set[int] = set()
+        for limit in (settings.max_num_seqs, self.graph_max_tokens):
+            if limit > 0:
+                sizes.update(n for n in listed if n < limit)
+                sizes.add(batch_bucket(limit, listed) or limit)
         use_triton = self.row_attention
         graphs = DecodeGraphs(
             forward,
             self.kv_cache,
             scratch_block=self.num_blocks,
-            batch_sizes=sizes,
+            batch_sizes=sorted(sizes),
             max_width=-(-max_len // self.block_size),
             capture=capture,
             dynamic=settings.compile,
@@ -271,9 +278,8 @@ class ModelRunner:
         token_entry: list[int],
     ) -> torch.Tensor:
         """One forward over packed tokens (see :meth:`execute`); returns logits ``[S, vocab]``."""
-        if self.graphs is not None and len(keep) == len(input_ids) == len(tables):
-            # Every row one decode token that samples: a graph's step, when one holds it.
-            logits = self.graphs.run(input_ids, positions, slots, tables)
+        if self.graphs is not None:
+            logits = self._graph_step(input_ids, positions, slots, keep, tables, token_entry)
             if logits is not None:
                 return logits
         meta = AttentionMetadata(
@@ -315,6 +321,32 @@ class ModelRunner:
         else:
             out = self.model(**inputs)
         return out.logits[0, :num_keep].float()  # [S, vocab]
+
+    def _graph_step(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        keep: list[int],
+        tables: list[list[int]],
+        token_entry: list[int],
+    ) -> torch.Tensor | None:
+        """The step as a graph's replay (decision 0018), or None when no graph holds it. Every
+        token is one row over its own sequence's blocks (both attentions in the graphs read a
+        row's keys 0..p whatever the other rows are), so a step of decode tokens and one that
+        carries prompt tokens differ only in which rows' logits are kept."""
+        assert self.graphs is not None
+        if len(keep) == len(input_ids) == len(tables):
+            # Every row one decode token that samples: every row's logits, in order.
+            return self.graphs.run(input_ids, positions, slots, tables)
+        if len(input_ids) > self.graph_max_tokens:
+            return None
+        rows = [tables[e] for e in token_entry]
+        logits = self.graphs.run(input_ids, positions, slots, rows)
+        if logits is None:
+            return None
+        self.prompt_graph_steps += 1
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
 
     def _torch_attention_metadata(
         self,

@@ -1,7 +1,7 @@
 """Paged decode attention on a CUDA device as one Triton kernel (decision 0018).
 
-The decode graphs' steps (``libs/engine/cuda_graphs.py``) call it once per layer, after the
-step's K/V are written into their slots: every decode row reads its own sequence's blocks in
+Every step on CUDA calls it once per layer, after the step's K/V are written into their slots
+(:func:`write_kv`, one kernel for keys and values): every token row reads its own sequence's blocks in
 place through its block table, ``TILE`` keys at a time, with a running (online) softmax in
 float32, so nothing is gathered, padded or masked in memory; the keys past a row's context
 length are masked in registers. One program per (row, KV head) computes the ``G`` query heads
@@ -35,6 +35,30 @@ def supports(head_dim: int) -> bool:
 
 
 if triton is not None:
+
+    @triton.jit  # type: ignore[misc]
+    def _write_kv_kernel(
+        k_ptr,  # [Hkv, T, D] the step's keys in the cache's dtype (D contiguous)
+        v_ptr,  # the same for values
+        k_cache_ptr,  # [Hkv, num_blocks * block_size, D] one layer's keys, contiguous
+        v_cache_ptr,
+        slots_ptr,  # [T] int64: flat slot of each token
+        stride_kh,
+        stride_kt,
+        stride_vh,
+        stride_vt,
+        stride_ch,
+        D: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_d = tl.arange(0, D)
+        slot = tl.load(slots_ptr + t)
+        k = tl.load(k_ptr + h * stride_kh + t * stride_kt + offs_d)
+        v = tl.load(v_ptr + h * stride_vh + t * stride_vt + offs_d)
+        dst = h * stride_ch + slot * D + offs_d
+        tl.store(k_cache_ptr + dst, k)
+        tl.store(v_cache_ptr + dst, v)
 
     @triton.jit  # type: ignore[misc]
     def _paged_decode_kernel(
@@ -101,6 +125,40 @@ if triton is not None:
         )
 
 
+def write_kv(
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    key: torch.Tensor,  # [Hkv, T, D]
+    value: torch.Tensor,
+) -> None:
+    """The step's K/V into their slots, rounded to the cache's dtype: one kernel for both
+    (``attention.write_kv``'s two ``index_copy_`` and their casts, in one launch)."""
+    assert triton is not None
+    hkv, t, d = key.shape
+    # Rounded by torch (to nearest even), as attention.write_kv rounds: a narrower cache than
+    # the activations (engine.kv_cache_dtype) costs one cast kernel each.
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if t == 0:
+        return
+    _write_kv_kernel[(t, hkv)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        D=d,
+    )
+
+
 def paged_decode(
     q: torch.Tensor,  # [B, H, D], last dim contiguous (a view of [H, B, D] is fine)
     k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
@@ -109,9 +167,13 @@ def paged_decode(
     lens: torch.Tensor,  # [B] int64: keys each row sees
     scale: float,
     out_dtype: torch.dtype = torch.float32,
+    *,
+    tile: int = TILE,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Each row's query heads over its own blocks (float32 inside); returns ``[B, H, D]`` in
-    ``out_dtype``, rounded once by the kernel's store."""
+    ``out_dtype``, rounded once by the kernel's store. ``tile`` (keys an iteration, a power of
+    two) and ``num_warps`` are the launch's shape (bench.gpu_step sweeps them)."""
     assert triton is not None
     b, h, d = q.shape
     hkv, _, block_size, _ = k_cache.shape
@@ -138,6 +200,7 @@ def paged_decode(
         BLOCK_G=triton.next_power_of_2(groups),
         D=d,
         BS=block_size,
-        TILE=TILE,
+        TILE=tile,
+        num_warps=num_warps,
     )
     return out

@@ -62,6 +62,7 @@ def _engine(model: torch.nn.Module, attention: str = "sdpa") -> LLMEngine:
         cpu_kernels="off",
         cuda_graph_batch_sizes=[1, 2, 4],
         cuda_attention=attention,
+        cuda_graph_max_tokens=16,
     )
     return LLMEngine(model, None, settings, "tiny", graph_capture=eager_capture)
 
@@ -91,9 +92,12 @@ def test_greedy_through_the_graphs_equals_generate(arch: str, attention: str) ->
         assert results[(f"r{i}", 0)].token_ids == refs[i], f"prompt {i}"
     graphs = runner.graphs
     assert graphs.replays > 0 and not graphs.failed
-    # Up to 6 sequences (max_num_seqs): 3 rows pad to 4, 5 to 6, the last bucket.
-    assert graphs.batch_sizes == [1, 2, 4, 6]
-    assert {rows for rows, _ in graphs.graphs} <= {1, 2, 4, 6}
+    # Steps with prompt tokens of up to 16 tokens replayed graphs too; longer ones (up to 32,
+    # max_num_batched_tokens) ran eager.
+    assert 0 < runner.prompt_graph_steps < graphs.replays
+    # Up to 6 sequences (max_num_seqs): 3 rows pad to 4, 5 to 6; prompt steps up to 16.
+    assert graphs.batch_sizes == [1, 2, 4, 6, 16]
+    assert {rows for rows, _ in graphs.graphs} <= {1, 2, 4, 6, 16}
     assert all(w & (w - 1) == 0 for _, w in graphs.graphs)
     # Every sequence's blocks went back; the scratch block was never the pool's to give.
     assert engine.pool.num_free == engine.pool.num_blocks
@@ -130,7 +134,9 @@ def test_a_graph_is_captured_once_and_replayed() -> None:
         return eager_capture(fn)
 
     model = tiny_model("llama")
-    settings = engine_settings(model, cpu_kernels="off", cuda_graph_batch_sizes=[2, 8])
+    settings = engine_settings(
+        model, cpu_kernels="off", cuda_graph_batch_sizes=[2, 8], cuda_graph_max_tokens=0
+    )
     engine = LLMEngine(model, None, settings, "tiny", graph_capture=counting)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     run_engine(engine, [Submission(f"r{i}", [1, 2, 3, i], greedy) for i in range(2)])
@@ -140,6 +146,40 @@ def test_a_graph_is_captured_once_and_replayed() -> None:
     assert sorted(engine.runner.graphs.graphs) == [(2, 2), (2, 4), (8, 2)]
     assert calls == 3
     assert engine.runner.graphs.replays == 5
+
+
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("triton", marks=needs_triton)])
+def test_a_step_with_prompt_tokens_replays_a_graph_with_the_eager_logits(attention: str) -> None:
+    engine = _engine(tiny_model("llama"), attention)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.graph_max_tokens == 16
+    # Sequence 0: a 3-token prompt chunk at positions 4..6 (blocks 0, 1), after 4 computed
+    # tokens; sequence 1: one decode token at position 5 (blocks 3, 4). Sampled: the chunk's
+    # last token and the decode token. Then the same sequences' next step.
+    ids, positions = [11, 12, 13, 14], [4, 5, 6, 5]
+    slots = [4 * 1 + 0, 4 * 1 + 1, 4 * 1 + 2, 4 * 4 + 1]
+    tables, entry, keep = [[0, 1], [3, 4]], [0, 0, 0, 1], [2, 3]
+    cache = runner.kv_cache.data
+    cache.normal_()  # the prompt's first 4 tokens' K/V: anything, the same for both runs
+    before = cache.clone()
+    graphed = runner._forward(ids, positions, slots, keep, tables, entry).clone()
+    assert runner.prompt_graph_steps == 1 and (4, 2) in runner.graphs.graphs
+    after_graph = cache.clone()
+    cache.copy_(before)
+    graphs, runner.graphs = runner.graphs, None
+    eager = runner._forward(ids, positions, slots, keep, tables, entry)
+    assert graphed.shape == eager.shape == (2, runner.shape.vocab_size)
+    assert torch.allclose(graphed, eager, atol=1e-5)
+    # The same K/V landed in the same slots (the padding rows' only in the scratch block).
+    scratch = runner.num_blocks
+    assert torch.allclose(after_graph[:, :, :, :scratch], cache[:, :, :, :scratch], atol=1e-6)
+    # A step of more tokens than engine.cuda_graph_max_tokens runs eager.
+    runner.graphs = graphs
+    n = 17
+    long_step = runner._graph_step(
+        [1] * n, list(range(n)), list(range(n)), [n - 1], [[0, 1, 2, 3, 4]], [0] * n
+    )
+    assert long_step is None and runner.prompt_graph_steps == 1
 
 
 def test_device_greedy_equals_the_sampler() -> None:
@@ -191,3 +231,23 @@ def test_triton_kernel_equals_the_gather_and_sdpa(dtype: torch.dtype) -> None:
     mask = (key_pos[None, :] < lens[:, None])[None, :, None, :]
     ref = decode_rows(q, k, v, None, tables.reshape(-1), mask, 0.125)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kv_write_equals_the_index_copies(dtype: torch.dtype) -> None:
+    from libs.engine.attention import write_kv
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hkv, d, bs, blocks, t = 3, 64, 16, 10, 7
+    # The step's K/V as the model hands them: [1, Hkv, T, D] views, float32 into `dtype`.
+    key = torch.randn(1, t, hkv, d, device=device).transpose(1, 2)[0]
+    value = torch.randn(1, t, hkv, d, device=device).transpose(1, 2)[0]
+    slots = torch.tensor([0, 5, 17, 18, 100, 159, 33], device=device)
+    ours = [torch.zeros(hkv, blocks, bs, d, device=device, dtype=dtype) for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    triton_attention.write_kv(ours[0], ours[1], slots, key, value)
+    write_kv(ref[0], ref[1], slots, key, value)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    assert ours[0].abs().sum() > 0
