@@ -187,6 +187,8 @@ VARIANTS = {
     "graphs+compile-fp32": ("float32", True, True, "auto"),
     # Graphs for decode steps only (engine.cuda_graph_max_tokens = 0): prompt steps eager.
     "graphs+compile-bf16-decode-graphs": ("bfloat16", True, True, "auto"),
+    # No step launched ahead (engine.cuda_run_ahead = false): the host waits for every step.
+    "graphs+compile-bf16-no-ahead": ("bfloat16", True, True, "auto"),
     # The graphs' attention as a gather of whole blocks and torch's SDPA instead of Triton's
     # paged kernel (what the first sitting ran).
     "graphs-sdpa-bf16": ("bfloat16", True, False, "sdpa"),
@@ -200,6 +202,7 @@ VARIANTS = {
 # Settings a variant sets beyond its tuple above.
 VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "graphs+compile-bf16-decode-graphs": {"cuda_graph_max_tokens": 0},
+    "graphs+compile-bf16-no-ahead": {"cuda_run_ahead": False},
 }
 
 
@@ -395,6 +398,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "eager-fp32",
             "graphs+compile-bf16",
             "peer",
+            "graphs+compile-bf16-no-ahead",
+            "graphs+compile-bf16-decode-graphs",
             "graphs-bf16",
             "graphs-fp32",
             "graphs+compile-fp32",
@@ -483,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                 if graphs is not None:  # warm-up: captures the graphs the timed run replays
                     run_engine(engine, prompts, args.max_tokens)
                 replays0 = graphs.replays if graphs else 0
+                used0 = engine.runner.ahead_used
                 run = run_engine(engine, prompts, args.max_tokens)
                 wall, steps, step_ms, outputs = (
                     run.wall_s,
@@ -513,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"same as {args.variants[0]}: {same or '-'}; wall {wall * 1e3:.1f} ms = "
                     f"{len(run.other_ms)} prompt steps {level.other_steps_ms:.1f} + "
                     f"{len(run.decode_ms)} decode steps {level.decode_steps_ms:.1f} + "
-                    f"between {wall * 1e3 - level.other_steps_ms - level.decode_steps_ms:.1f}",
+                    f"between {wall * 1e3 - level.other_steps_ms - level.decode_steps_ms:.1f}; "
+                    f"{engine.runner.ahead_used - used0} steps ran ahead",
                     flush=True,
                 )
             try:

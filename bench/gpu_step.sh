@@ -8,6 +8,15 @@
 #   bash bench/gpu_step.sh --device cpu --tiny --streams 1 3 --max-tokens 8   # dry run here
 #
 # Arguments go to bench.gpu_step. Budget: ~2 min of tests, then the bench's own --budget-s.
+# Preparing the two folders here (both git-ignored through .git/info/exclude; the device call
+# carries them: carry [".whl", ".gpu"]): the packages the engine imports that the GPU image
+# lacks, at the versions .venv holds, and the model's config:
+#
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl $(.venv/bin/python -m pip freeze | grep -iE \
+#     '^(msgspec|pydantic|pydantic[-_]core|pydantic[-_]settings|annotated[-_]types|typing[-_]inspection|python[-_]dotenv)==')
+#   mkdir -p .gpu/smollm2 && cp .strait/models/smollm2-135m-instruct/config.json .gpu/smollm2/
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_step}
 mkdir -p "$OUT"
@@ -22,8 +31,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.draw \
     --format=csv 2>/dev/null | tee "$OUT/nvidia-smi.txt"
 $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
-echo "== pytest -m gpu"
-timeout 100 $PY -m pytest -m gpu tests/unit/engine/test_cuda_graphs_gpu.py tests/unit/engine/test_quant_gpu.py -q -p no:cacheprovider -o addopts="" -ra \
+# The gpu tests, and the graphs' CPU tests, whose Triton ones run on the device there.
+echo "== pytest (gpu tests, test_cuda_graphs.py)"
+timeout 120 $PY -m pytest tests/unit/engine/test_cuda_graphs_gpu.py tests/unit/engine/test_quant_gpu.py \
+    tests/unit/engine/test_cuda_graphs.py -q -p no:cacheprovider -o addopts="" -ra \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 echo "== bench.gpu_step"
 MODEL=(--model-dir .gpu/smollm2 --random-weights)

@@ -165,6 +165,10 @@ class EngineSettings(BaseModel):
     # logits computed for every row, the sampled ones kept); longer steps run eager. 0: only
     # steps of decode tokens use graphs.
     cuda_graph_max_tokens: int = Field(default=256, ge=0)
+    # After a graphed step of plain-greedy decode rows, launch the rows' next step on the
+    # device before the host has their tokens, so the GPU runs it while the host updates and
+    # schedules (used when the next step is that one, dropped otherwise; decision 0018).
+    cuda_run_ahead: bool = True
     # Attention in those graphs: "triton" reads each row's blocks in place with Strait's Triton
     # kernel (libs/engine/triton_attention.py), "sdpa" gathers them for torch's SDPA; "auto" is
     # "triton" where Triton is installed (torch's CUDA wheels carry it) and the head size is a

@@ -23,6 +23,16 @@ The runner
 The logits come back ``[rows, vocab]`` in the graph's own output buffer, valid until the next
 replay; the sampler takes its arg-max on the device and copies back only the token ids.
 
+**Running ahead** (``engine.cuda_run_ahead``): after a step of plain-greedy decode rows the
+runner launches the rows' next step before the host has seen this one's tokens —
+:meth:`DecodeGraphs.launch_ahead` stages the next positions, slots and tables and copies the
+arg-max ids into the graph's input on the device, so the GPU runs step N+1 while the host
+updates, detokenizes and schedules after step N. The next ``execute`` uses that replay when its
+step is exactly the one launched (same rows, positions, slots, tables, and the ids that came
+back), and drops it otherwise (a sequence stopped, a request arrived): its K/V writes went to
+slots the real step rewrites with the same values, or to blocks that were freed, which are
+always written before they are read.
+
 Capturing is a function handed in (:data:`Capture`): :func:`cuda_capture` on a GPU,
 :func:`eager_capture` (the same bookkeeping, every replay a plain call) on a CPU, where the
 tests check padding, buckets and buffers against the eager step.
@@ -107,6 +117,9 @@ class _Graph:
     inputs: torch.Tensor  # the same on the device, read by the graph
     replay: Callable[[], torch.Tensor]  # -> logits [rows, vocab] float32
     step: Callable[[], torch.Tensor]  # what the graph recorded, callable eagerly (profiling)
+    # CUDA: recorded after the last copy out of `staging`; the next staging waits for it (a
+    # step launched ahead may still be queued behind the one running).
+    copied: Any = None
 
 
 class DecodeGraphs:
@@ -193,6 +206,27 @@ class DecodeGraphs:
         self.replays += 1
         return g.replay()[:b]
 
+    def launch_ahead(
+        self,
+        ids: torch.Tensor,
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor | None:
+        """Queue the replay of a step of decode rows whose token ids are ``ids`` (``[B]``
+        int64 on the device, not yet on the host); returns its logits ``[B, vocab]`` (valid
+        until the next replay), or None when no captured graph holds the step (it is not
+        captured here: the step then runs normally)."""
+        b = len(positions)
+        key = self.bucket(b, max(len(t) for t in tables))
+        g = None if key is None or self.failed else self.graphs.get(key)
+        if g is None:
+            return None
+        self._stage(g, [0] * b, positions, slots, tables)
+        g.inputs[:b].copy_(ids)  # on the device, queued after the staged copy
+        self.replays += 1
+        return g.replay()[:b]
+
     def _stage(
         self,
         g: _Graph,
@@ -218,10 +252,13 @@ class DecodeGraphs:
             flat += t
             flat += [t[-1]] * (w - len(t))  # the kernel masks a row past its own blocks
         flat += [self.scratch_block] * (w * pad)
-        # NOTE: the staging buffer is rewritten only after the previous step's sampled ids came
-        # back to the host, which waits for that step's copy and replay to finish.
+        if g.copied is not None:
+            g.copied.synchronize()  # the last copy out of the pinned buffer has run
         g.staging.copy_(torch.tensor(flat, dtype=torch.int64))
         g.inputs.copy_(g.staging, non_blocking=True)
+        if self.device.type == "cuda":
+            g.copied = torch.cuda.Event()
+            g.copied.record()
 
     def _logits(
         self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata

@@ -29,6 +29,7 @@ UNSHAPING = {
     "cuda_graphs",
     "cuda_graph_batch_sizes",
     "cuda_graph_max_tokens",
+    "cuda_run_ahead",
     "cuda_attention",
 }
 # Modules whose source shapes the compiled graph, relative to libs/engine.

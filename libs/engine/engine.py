@@ -287,7 +287,9 @@ class LLMEngine:
         started = time.perf_counter()
         logits = self.runner.execute(sched.scheduled)  # [S, vocab]
         self.num_steps += 1
-        outputs = self._update(sched, logits, resumed)
+        # Plain-greedy decode rows on a GPU: their tokens, with the next step already queued.
+        ahead = self._run_ahead(sched, logits)
+        outputs = self._update(sched, logits, resumed, ahead)
         # The whole step (forward, sampling, the device's sync): what a stream waits for.
         self._observe(sched, time.perf_counter() - started)
         return outputs
@@ -313,9 +315,50 @@ class LLMEngine:
                 reason = sched.budget.over_target or "mispredicted"
             metrics.STEPS_OVER_TARGET.labels(reason=reason).inc()
 
+    def _run_ahead(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[int] | None:
+        """This step's tokens by :meth:`ModelRunner.run_ahead` (the next step launched on the
+        device first; ``engine.cuda_run_ahead``), or None to sample as usual. Only where the
+        next step is most likely that one: a graphed step of decode rows, each plain greedy
+        (no bias, grammar, penalties, log-probabilities or proposals) and not at its length
+        limit, nobody waiting to be admitted, and room for every row's next token (its block
+        taken now, which the next step would take anyway)."""
+        runner = self.runner
+        if not (self.settings.cuda_run_ahead and runner.last_step_graphed):
+            return None
+        # Proposals (a speculative method, or a request's predicted output) would make the
+        # next step another one.
+        if self.settings.speculative.method != "off" or self.scheduler.num_waiting:
+            return None
+        for item in sched.scheduled:
+            seq, p = item.seq, item.seq.sampling
+            if item.num_new_tokens != 1 or item.spec or seq.prediction or not item.samples:
+                return None
+            if not (p.temperature == 0.0 or p.top_k == 1) or seq.matcher is not None:
+                return None
+            if p.logit_bias or p.logprobs is not None or p.repetition_penalty != 1.0:
+                return None
+            if p.frequency_penalty or p.presence_penalty:
+                return None
+            if (
+                seq.num_output_tokens + 1 >= p.max_tokens
+                or seq.num_tokens + 1 >= self.max_model_len
+            ):
+                return None
+            if not self.kv.can_grow(seq, 2):
+                return None
+        for item in sched.scheduled:
+            self.kv.grow(item.seq, 2)
+        return runner.run_ahead(sched.scheduled, logits)
+
     def _update(
-        self, sched: SchedulerOutput, logits: torch.Tensor, resumed: list[Sequence]
+        self,
+        sched: SchedulerOutput,
+        logits: torch.Tensor,
+        resumed: list[Sequence],
+        tokens: list[int] | None = None,
     ) -> list[StepOutput]:
+        """Advance the step's sequences and append their tokens: ``tokens`` when the step ran
+        ahead (one per scheduled sequence, in order), else sampled from ``logits``."""
         row_logits: list[int] = []  # logits row of each sampling sequence
         sampling_seqs: list[Sequence] = []
         new_children: list[Sequence] = []
@@ -341,7 +384,12 @@ class LLMEngine:
             num_logit_rows += 1 + len(item.spec)
 
         touched: list[Sequence] = list(resumed)
-        if sampling_seqs:
+        if tokens is not None:
+            # Decode rows only: one token a scheduled sequence, in order (see _run_ahead).
+            for seq, token in zip(sampling_seqs, tokens, strict=True):
+                self._append(seq, token, None)
+            touched += sampling_seqs
+        elif sampling_seqs:
             # One logits row per sampling sequence unless n > 1 choices were just forked or
             # proposals were run.
             same = len(row_logits) == logits.shape[0]

@@ -22,6 +22,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,28 @@ from libs.engine.loader import DTYPES, ModelShape, num_kv_blocks
 from libs.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger("strait.engine")
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A step launched ahead (:meth:`ModelRunner.run_ahead`): what it computes, and its logits
+    (the graph's output buffer, valid until the next replay)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    logits: torch.Tensor
+
+    def is_step(
+        self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+    ) -> bool:
+        return (
+            input_ids == self.input_ids
+            and positions == self.positions
+            and slots == self.slots
+            and tables == self.tables
+        )
 
 
 def own_forward_entry() -> Callable[..., Any]:
@@ -157,6 +180,11 @@ class ModelRunner:
         # Steps with prompt tokens replay graphs up to this many tokens (decision 0018).
         self.graph_max_tokens = settings.cuda_graph_max_tokens
         self.prompt_graph_steps = 0  # steps with prompt tokens that replayed a graph
+        self.last_step_graphed = False  # the last step replayed a graph (run_ahead needs it)
+        self._ahead: _Ahead | None = None  # the step launched ahead, if any
+        self.ahead_launched = 0
+        self.ahead_used = 0
+        self._host_ids: torch.Tensor | None = None  # [max rows] int64, pinned on CUDA
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
@@ -278,9 +306,17 @@ class ModelRunner:
         token_entry: list[int],
     ) -> torch.Tensor:
         """One forward over packed tokens (see :meth:`execute`); returns logits ``[S, vocab]``."""
+        ahead, self._ahead = self._ahead, None
+        decode_only = len(keep) == len(input_ids) == len(tables)
+        if ahead is not None and decode_only and ahead.is_step(input_ids, positions, slots, tables):
+            self.ahead_used += 1  # already queued on the device by run_ahead
+            self.last_step_graphed = True
+            return ahead.logits
+        self.last_step_graphed = False
         if self.graphs is not None:
             logits = self._graph_step(input_ids, positions, slots, keep, tables, token_entry)
             if logits is not None:
+                self.last_step_graphed = True
                 return logits
         meta = AttentionMetadata(
             cache=self.kv_cache, slot_mapping=torch.tensor(slots, device=self.device)
@@ -347,6 +383,44 @@ class ModelRunner:
             return None
         self.prompt_graph_steps += 1
         return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+
+    @torch.inference_mode()
+    def run_ahead(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
+        """The arg-max token of each row of a graphed step of decode rows (``batch``, whose
+        ``logits`` :meth:`execute` just returned), with the rows' next step launched on the
+        device before this returns (``engine.cuda_run_ahead``; see ``cuda_graphs``): the ids
+        go into the next graph's input on the device, and the host waits only for their copy
+        back, not for the step behind it. The engine calls this instead of sampling when
+        every row is plain greedy and each row's next slot has its block
+        (``seq.block_table`` covers ``start + 2`` tokens); sequence state is not modified."""
+        assert self.graphs is not None
+        b = len(batch)
+        ids = logits[:b].argmax(dim=-1)
+        if self._host_ids is None or self._host_ids.numel() < b:
+            pin = self.device.type == "cuda"
+            n = self.graphs.batch_sizes[-1]
+            self._host_ids = torch.empty(max(n, b), dtype=torch.int64, pin_memory=pin)
+        host = self._host_ids[:b]
+        host.copy_(ids, non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        bs = self.block_size
+        positions = [item.start + 1 for item in batch]
+        slots, tables = [], []
+        for item, p in zip(batch, positions, strict=True):
+            table = item.seq.block_table
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table[: p // bs + 1])
+        out = self.graphs.launch_ahead(ids, positions, slots, tables)
+        if copied is not None:
+            copied.synchronize()  # this step's ids, not the step queued behind them
+        token_ids = [int(t) for t in host.tolist()]
+        if out is not None:
+            self.ahead_launched += 1
+            self._ahead = _Ahead(token_ids, positions, slots, tables, out)
+        return token_ids
 
     def _torch_attention_metadata(
         self,

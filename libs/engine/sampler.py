@@ -9,11 +9,18 @@ request forks into ``n`` choices). Order of processing per row, as in the OpenAI
 1. penalties: repetition (HF semantics: prompt + output tokens, divide positive logits /
    multiply negative ones), then frequency and presence (OpenAI: output tokens only);
 2. log-probabilities, when asked, from the penalised logits before temperature;
-3. greedy (temperature 0 or top-k 1): arg-max (on the logits' device when every row is plain
-   greedy, :func:`device_greedy`: one copy of the token ids back); otherwise temperature, top-k, top-p, min-p, and
+3. greedy (temperature 0 or top-k 1): arg-max; otherwise temperature, top-k, top-p, min-p, and
    a draw by the exponential-race trick (``argmax(p / E)``, ``E ~ Exp(1)``), where ``E`` comes
    from the row's own ``torch.Generator`` when the request has a seed — so a seeded request
    draws the same numbers whatever else is in the batch.
+
+Every step runs where the logits are (decision 0018): on a GPU the bias, grammar mask,
+penalties, sampling and log-probabilities are device ops and the step's token ids come back in
+one copy (plus the asked log-probabilities), never ``[S, vocab]`` logits. Only the inputs that
+live on the host travel the other way: bias and penalty ids, the grammar's bitmask
+(``[S, vocab / 32]`` int32), and a seeded row's noise, drawn from its own CPU generator and
+copied, so a seeded request draws the same numbers on any device. On a CPU the same code runs
+with Strait's kernels for the arg-max and the grammar mask where the engine has them.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class Sampler:
         self.argmax = argmax if argmax is not None else _torch_argmax
         self.mask = mask
         self.generator = torch.Generator()
+        self._device_generators: dict[torch.device, torch.Generator] = {}
         if seed is None:
             self.generator.seed()
         else:
@@ -82,51 +90,62 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return SampleOutput([], [])
-        if logits.device.type != "cpu":
+        dev = logits.device
+        on_host = dev.type == "cpu"
+        if not on_host:
             ids = device_greedy(logits, rows)
             if ids is not None:
                 return SampleOutput(ids, [None] * len(rows))
+        # Strait's CPU kernels serve CPU tensors only; elsewhere torch's ops.
+        argmax = self.argmax if on_host else _torch_argmax
         # [S, V]; copied only when something will modify it in place (the caller's is not ours)
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
         penalised = any(_has_penalties(r) for r in rows)
-        logits = logits.to("cpu", torch.float32, copy=penalised or bool(biased or constrained))
+        logits = logits.to(torch.float32, copy=penalised or bool(biased or constrained))
         for i in biased:
             bias = rows[i].params.logit_bias_ids()
-            logits[i, torch.tensor(list(bias))] += torch.tensor(list(bias.values()))
+            ids_ = torch.tensor(list(bias), device=dev)
+            logits[i, ids_] += torch.tensor(list(bias.values()), device=dev)
         if constrained:
-            mask_rows(logits, constrained, [rows[i].matcher for i in constrained], self.mask)
+            matchers = [rows[i].matcher for i in constrained]
+            mask_rows(logits, constrained, matchers, self.mask if on_host else None)
         if penalised:
             self._apply_penalties(logits, rows)
-        out_ids = [0] * len(rows)
 
+        # [S] token ids, filled where the logits are; one copy back below.
+        out = torch.empty(len(rows), dtype=torch.long, device=dev)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):  # the common case: no row gather
-            out_ids = [int(t) for t in self.argmax(logits).tolist()]
+            out = argmax(logits)
         elif greedy:
-            idx = torch.tensor(greedy)
-            for i, t in zip(greedy, self.argmax(logits.index_select(0, idx)).tolist(), strict=True):
-                out_ids[i] = t
+            idx = torch.tensor(greedy, device=dev)
+            out.index_copy_(0, idx, argmax(logits.index_select(0, idx)))
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if sampled:
-            tokens = self._sample(
-                logits.index_select(0, torch.tensor(sampled)), [rows[i] for i in sampled]
-            )
-            for i, t in zip(sampled, tokens, strict=True):
-                out_ids[i] = t
+            idx = torch.tensor(sampled, device=dev)
+            drawn = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled], argmax)
+            out.index_copy_(0, idx, drawn)
+        out_ids = [int(t) for t in out.tolist()]
 
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits.index_select(0, torch.tensor(want)), dim=-1)  # [W, V]
+            idx = torch.tensor(want, device=dev)
+            lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)  # [W, V]
+            chosen = lp.gather(1, out.index_select(0, idx).unsqueeze(1)).squeeze(1)  # [W]
+            n_max = max(rows[i].params.logprobs or 0 for i in want)
+            # The widest top-n of the rows, taken once; each row keeps its own first n. One
+            # copy back of [W] + 2 x [W, n_max].
+            top_lp, top_ids = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+            chosen_l, top_lp_l, top_ids_l = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
             for j, i in enumerate(want):
                 n = rows[i].params.logprobs or 0
-                top_lp, top_ids = lp[j].topk(n) if n else (torch.empty(0), torch.empty(0))
                 logprobs[i] = TokenLogprobs(
                     token_id=out_ids[i],
-                    logprob=float(lp[j, out_ids[i]]),
-                    top_ids=[int(x) for x in top_ids.tolist()],
-                    top_logprobs=[float(x) for x in top_lp.tolist()],
+                    logprob=float(chosen_l[j]),
+                    top_ids=[int(x) for x in top_ids_l[j][:n]],
+                    top_logprobs=[float(x) for x in top_lp_l[j][:n]],
                 )
         return SampleOutput(out_ids, logprobs)
 
@@ -141,43 +160,69 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        dev = logits.device
         for i, r in enumerate(rows):
             p = r.params
             if p.repetition_penalty != 1.0 and r.token_ids:
-                ids = torch.tensor(sorted(set(r.token_ids)))
+                ids = torch.tensor(sorted(set(r.token_ids)), device=dev)
                 seen = logits[i, ids]
                 logits[i, ids] = torch.where(
                     seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
                 )
             if (p.frequency_penalty or p.presence_penalty) and r.output_counts:
-                ids = torch.tensor(list(r.output_counts))
-                counts = torch.tensor(list(r.output_counts.values()), dtype=logits.dtype)
+                ids = torch.tensor(list(r.output_counts), device=dev)
+                counts = torch.tensor(
+                    list(r.output_counts.values()), dtype=logits.dtype, device=dev
+                )
                 logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """``logits``: [S, V] of non-greedy rows → one token id per row."""
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        argmax: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """``logits``: [S, V] of non-greedy rows → one token id per row, ``[S]`` int64 on the
+        logits' device."""
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
         logits = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(0 < k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)  # [S, V]
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
-        if bool((min_p > 0).any()):
+        min_ps = [r.params.min_p for r in rows]
+        if any(m > 0 for m in min_ps):
+            min_p = torch.tensor(min_ps, dtype=probs.dtype, device=dev)
             floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised is fine).
         noise = torch.empty_like(probs)
+        vocab = probs.shape[1]
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
-                generator=self.generator
-            )
+            idx = torch.tensor(shared, device=dev)
+            draw = torch.empty(len(shared), vocab, device=dev)
+            noise.index_copy_(0, idx, draw.exponential_(generator=self._shared_generator(dev)))
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        return [int(t) for t in self.argmax(probs / noise).tolist()]
+                # Drawn on the host from the request's own generator (see the module's doc).
+                noise[i].copy_(torch.empty(vocab).exponential_(generator=r.generator))
+        return argmax(probs / noise)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on ``device``: the sampler's own on a CPU, one
+        per other device, seeded from it once."""
+        if device.type == "cpu":
+            return self.generator
+        gen = self._device_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            gen.manual_seed(seed)
+            self._device_generators[device] = gen
+        return gen
 
 
 def device_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int] | None:
@@ -208,17 +253,19 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus. [S, V] → [S, V]."""
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k])
-    ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=dev)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)  # [1, V]
     remove = ranks >= k.unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before*
     # it already reaches top_p (so the first token always stays).
     before = probs.cumsum(dim=-1) - probs
     # top_p 1.0 keeps everything (a cumulative sum may round to 1.0 before the tail).
-    thresholds = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype)
+    thresholds = torch.tensor(
+        [p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype, device=dev
+    )
     remove |= before >= thresholds.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -169,9 +169,9 @@ def mask_rows(
     kernel: MaskKernel | None = None,
 ) -> None:
     """Set to -inf, in place, the logits of tokens ``matchers[j]`` does not allow next in row
-    ``rows[j]``. ``logits``: contiguous float32 [S, V] on the CPU. ``kernel``: the CPU kernels'
-    ``mask_rows`` (0.1 ms for 32 rows of 49,152 here); None: torch ops that unpack the bits
-    (~4 ms). llguidance's own ``apply_token_bitmask_inplace`` is a ``torch.compile``d function
+    ``rows[j]``. ``logits``: float32 [S, V], on the CPU or a device (the bitmask, filled on the
+    host, is copied there). ``kernel``: the CPU kernels' ``mask_rows`` for CPU logits (0.1 ms
+    for 32 rows of 49,152 here); None: torch ops that unpack the bits (~4 ms on 2 cores). llguidance's own ``apply_token_bitmask_inplace`` is a ``torch.compile``d function
     (seconds of compiling at its first call in each process, then ~0.4 ms; on CUDA a Triton
     kernel): not on this path."""
     import llguidance.torch as llt
@@ -182,10 +182,13 @@ def mask_rows(
         for j, m in enumerate(matchers):
             llt.fill_next_token_bitmask(m, bitmask, j)
         index = torch.tensor(list(rows), dtype=torch.long)
-        if kernel is not None and logits.is_contiguous():
+        if kernel is not None and logits.is_contiguous() and logits.device.type == "cpu":
             kernel(logits, index, bitmask)
         else:
-            allowed = ((bitmask.unsqueeze(-1) >> _BIT) & 1).flatten(1)[:, : logits.shape[1]]
+            dev = logits.device
+            bitmask, index = bitmask.to(dev), index.to(dev)
+            bits = ((bitmask.unsqueeze(-1) >> _BIT.to(dev)) & 1).flatten(1)
+            allowed = bits[:, : logits.shape[1]]
             sub = logits.index_select(0, index)
             sub.masked_fill_(allowed == 0, float("-inf"))
             logits.index_copy_(0, index, sub)

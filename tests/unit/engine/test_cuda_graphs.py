@@ -95,6 +95,9 @@ def test_greedy_through_the_graphs_equals_generate(arch: str, attention: str) ->
     # Steps with prompt tokens of up to 16 tokens replayed graphs too; longer ones (up to 32,
     # max_num_batched_tokens) ran eager.
     assert 0 < runner.prompt_graph_steps < graphs.replays
+    # Decode steps ran ahead (engine.cuda_run_ahead): launched before the host had the last
+    # step's tokens, and used by the next step when it was that one.
+    assert 0 < runner.ahead_used <= runner.ahead_launched
     # Up to 6 sequences (max_num_seqs): 3 rows pad to 4, 5 to 6; prompt steps up to 16.
     assert graphs.batch_sizes == [1, 2, 4, 6, 16]
     assert {rows for rows, _ in graphs.graphs} <= {1, 2, 4, 6, 16}
@@ -180,6 +183,57 @@ def test_a_step_with_prompt_tokens_replays_a_graph_with_the_eager_logits(attenti
         [1] * n, list(range(n)), list(range(n)), [n - 1], [[0, 1, 2, 3, 4]], [0] * n
     )
     assert long_step is None and runner.prompt_graph_steps == 1
+
+
+def test_running_ahead_changes_no_output() -> None:
+    """Steps launched ahead are used only when the next step is theirs: with a request that
+    stops on a token between two others, one aborted, one arriving mid-run, one sampling and
+    lengths that end at different steps, the outputs equal those of the same engine without
+    running ahead, and both the used and the dropped cases happen."""
+    model = tiny_model("llama")
+    ps = prompts()
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    # r0's 5th greedy token, as a stop token for r1 (the same prompt): unknown in advance.
+    stop_at = reference_greedy(model, ps[0], 8)[4]
+    subs = [
+        Submission("r0", ps[0], SamplingParams(max_tokens=14, **greedy)),
+        Submission("r1", ps[0], SamplingParams(max_tokens=20, stop_token_ids=[stop_at], **greedy)),
+        Submission("r2", ps[4], SamplingParams(max_tokens=30, **greedy)),
+        Submission("r3", ps[8], SamplingParams(max_tokens=16, **greedy)),
+        Submission("r4", ps[1], SamplingParams(max_tokens=9, **greedy), arrive_at_step=16),
+        Submission(
+            "r5", ps[9], SamplingParams(max_tokens=6, temperature=0.8, seed=3), arrive_at_step=20
+        ),
+    ]
+
+    def serve(ahead: bool) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = _engine(model)
+        engine.settings.cuda_run_ahead = ahead
+        pending = list(subs)
+        out: dict[str, list[int]] = {}
+        step = 0
+        while pending or engine.has_unfinished():
+            while pending and pending[0].arrive_at_step <= step:
+                sub = pending.pop(0)
+                engine.add_request(sub.request_id, sub.prompt, sub.sampling)
+            if step == 9:
+                engine.abort_request("r2")  # a row between others
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.chunk.token_ids)
+            step += 1
+            assert step < 1_000
+        assert engine.pool.num_free == engine.pool.num_blocks
+        return out, engine
+
+    plain, off = serve(False)
+    ahead, on = serve(True)
+    assert off.runner.ahead_launched == 0
+    assert ahead == plain
+    assert plain["r1"][-1] == stop_at and len(plain["r1"]) == 5
+    assert [len(plain[r]) for r in ("r0", "r3", "r4", "r5")] == [14, 16, 9, 6]
+    assert len(plain["r2"]) < 30
+    runner = on.runner
+    assert 0 < runner.ahead_used < runner.ahead_launched
 
 
 def test_device_greedy_equals_the_sampler() -> None:

@@ -100,3 +100,51 @@ def test_sampler_on_cuda_logits() -> None:
     for rs in (rows, mixed):
         assert sampler(logits.cuda(), rs).token_ids == sampler(logits, rs).token_ids
     assert EngineSettings(device="cuda").cuda_graphs
+
+
+def test_the_whole_sampler_runs_on_the_device_with_the_hosts_answers() -> None:
+    """Bias, penalties, sampling (seeded: the same draws as on the host), min-p, top-k/top-p
+    and log-probabilities on CUDA logits: the CPU's tokens and log-probabilities, and no
+    [S, vocab] copy to the host."""
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(7, vocab) * 3
+
+    def row(seed: int | None, **kw: object) -> SamplingRow:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return SamplingRow(SamplingParams(**kw), gen, [1, 5, 9, 5], {5: 2, 9: 1})
+
+    def rows() -> list[SamplingRow]:
+        return [
+            row(None, temperature=0.0),
+            row(1, temperature=0.8, top_p=0.9),
+            row(2, temperature=1.2, top_k=20, logprobs=3),
+            row(3, temperature=0.7, min_p=0.1, frequency_penalty=0.5, presence_penalty=0.3),
+            row(None, temperature=0.0, repetition_penalty=1.3, logprobs=2),
+            row(4, temperature=1.0, logit_bias={"7": 100.0}),
+            row(5, temperature=0.9, top_k=5, top_p=0.5),
+        ]
+
+    host = Sampler(seed=0)(logits, rows())
+    copies: list[tuple[int, ...]] = []
+    real_to = torch.Tensor.to
+
+    def watch_to(self: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        out = real_to(self, *args, **kw)
+        if self.is_cuda and not out.is_cuda:
+            copies.append(tuple(self.shape))
+        return out
+
+    torch.Tensor.to = watch_to  # type: ignore[method-assign,assignment]
+    try:
+        dev = Sampler(seed=0)(logits.cuda(), rows())
+    finally:
+        torch.Tensor.to = real_to  # type: ignore[method-assign]
+    assert dev.token_ids == host.token_ids
+    assert dev.token_ids[5] == 7
+    for a, b in zip(dev.logprobs, host.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.top_ids == b.top_ids and a.token_id == b.token_id
+            assert abs(a.logprob - b.logprob) < 1e-4
+    assert all(vocab not in shape for shape in copies)
