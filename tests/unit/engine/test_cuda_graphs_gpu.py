@@ -61,8 +61,10 @@ def test_float32_greedy_through_cuda_graphs_equals_generate(
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.triton == (attention == "triton")
     assert _serve(engine, ps) == refs
-    # Every decode step replayed a graph (none failed to capture and fell back to eager).
+    # Every decode step replayed a graph (none failed to capture and fell back to eager), and
+    # decode steps ran ahead of the host (engine.cuda_run_ahead) with the same answers.
     assert graphs.replays > 0 and not graphs.failed
+    assert engine.runner.ahead_used > 0
 
 
 def test_dtype_auto_serves_bfloat16_through_the_graphs() -> None:
