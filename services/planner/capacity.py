@@ -11,6 +11,8 @@ the worker. Over the recent samples of a pool role:
 - A request's service time is its decode time (``total - ttft`` at the worker) plus the lower
   quartile of the worker's TTFT: the prefill without the time it waited behind others.
 - ``worker_rps`` = concurrency / service time: requests a second one worker serves (Little).
+- ``prefill_s``: that prefill, what a request takes on a worker after its wait in the queue
+  (queueing.py adds the two).
 
 Prefill workers of a disaggregated pool finish no request of their own (the decode worker
 reports it): their capacity is ``prior_prefill_tokens_per_s`` over the measured mean prompt.
@@ -78,7 +80,7 @@ def worker_capacity(
     prefill = quantile([s.worker_ttft_s for s in samples], PREFILL_QUANTILE) or 0.0
     service = float(np.mean([s.decode_s for s in samples])) + prefill
     service = max(service, 1e-3)
-    return Capacity(conc / service, conc, service, "measured")
+    return Capacity(conc / service, conc, service, "measured", prefill_s=prefill)
 
 
 def prefill_capacity(samples: Sequence[Sample], slo: PoolPlanSettings) -> Capacity:

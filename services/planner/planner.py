@@ -217,7 +217,7 @@ class Planner:
         if self.cfg.policy == "reactive":
             wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)
         else:
-            wanted, driver = decide.need(load, cap, bounds, current, self.cfg.target_utilization)
+            wanted, driver = decide.need(load, cap, bounds, current, self.cfg)
         state = self.states.setdefault((pool.name, role), decide.RoleState())
         verdict = decide.settle(wanted, driver, load, bounds, state, current, now, self.cfg)
         return PlanDecision(
@@ -231,6 +231,7 @@ class Planner:
                 *verdict.factors,
                 f"concurrency={cap.concurrency}",
                 f"service_s={cap.service_s:.3f}",
+                f"prefill_s={cap.prefill_s:.3f}",
                 f"samples={len(samples)}",
             ],
             arrival_rps=round(load.arrival_rps, 3),
