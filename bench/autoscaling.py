@@ -14,9 +14,10 @@ ignore_eos), and the run is measured:
 
 Both scaling modes start at the fleet sized for the trace's first ``--window-s`` (as a planner
 that had been running would be; one worker for every trace but steady), keep ``--standby`` warm
-standby workers (so the two differ by their policy, not their start-up), and share bounds and cooldowns. A fleet sized
-"for" a rate has ceil(rate / (worker_rps x planner.target_utilization)) workers, worker_rps
-from the calibrated costs at ``--slots`` rows (``sizing``).
+standby workers (so the two differ by their policy, not their start-up), and share bounds and
+cooldowns. A fleet sized "for" a rate has ceil(rate / (worker_rps x ``FLEET_UTILIZATION``))
+workers, worker_rps from the calibrated costs at ``--slots`` rows (``sizing``): the peak fleet,
+the mean fleet, the bound of the scaling modes and the oracle, whatever the planner's settings.
 
 Per run: TTFT p50/p99 and ITL p99 as the client saw them, the share of requests within the
 pool's SLO (whole answer, TTFT <= ttft_slo_s, mean ITL <= itl_slo_s), serving worker-seconds
@@ -61,6 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIR = ROOT / "bench" / "traces"
 CALIBRATED = ROOT / "configs" / "fake-calibrated.toml"
 MODES = ("peak", "mean", "reactive", "planner")
+# Share of a worker's capacity that a fleet sized "for" a rate fills: the comparison's yardstick
+# (the peak fleet whose worker-seconds the others are measured against), fixed apart from the
+# planner's own settings so that changing how the planner sizes does not move it.
+FLEET_UTILIZATION = 0.8
 
 CONFIG = """
 [gateway]
@@ -508,13 +513,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="engine.max_num_seqs of a worker")
     p.add_argument("--standby", type=int, default=4, help="planner.warm_standby (scaling modes)")
     p.add_argument("--reactive-queue", type=int, default=8, help="waiting per worker (reactive)")
-    p.add_argument("--horizon-s", type=float, default=10.0)
+    p.add_argument(
+        "--horizon-s",
+        type=float,
+        default=2.0,
+        help="planner.horizon_s of the scaling modes: the time more capacity takes to serve, "
+        "here a warm standby's activation (decision to its first beat ~1.1 s, "
+        "docs/autoscaling.md) and a 0.5 s tick, rounded up",
+    )
     p.add_argument(
         "--planner-utilization",
         type=float,
         default=None,
         help="planner.target_utilization of the scaling modes (default: the setting's); the "
-        "fixed fleets are sized at the setting's default whatever this says",
+        f"fleets are sized at {FLEET_UTILIZATION} whatever this says",
     )
     p.add_argument(
         "--forecast-z", type=float, default=None, help="planner.forecast_z (default: the setting's)"
@@ -579,11 +591,11 @@ def main(argv: list[str] | None = None) -> int:
             items = traces.load(TRACE_DIR / f"{trace}.jsonl")
         sizing = Sizing.of(cost, args.slots, items)
         peak, mean = peak_and_mean(items, args.window_s)
-        peak_n = sizing.workers_for(peak, cfg.target_utilization)
-        mean_n = sizing.workers_for(mean, cfg.target_utilization)
+        peak_n = sizing.workers_for(peak, FLEET_UTILIZATION)
+        mean_n = sizing.workers_for(mean, FLEET_UTILIZATION)
         peak_n = args.max_workers or peak_n
         first = sum(a.t < args.window_s for a in items) / args.window_s
-        first_n = sizing.workers_for(first, cfg.target_utilization)
+        first_n = sizing.workers_for(first, FLEET_UTILIZATION)
         burst = tuple(info["burst_s"]) if "burst_s" in info else None
         meta[trace] = {
             "peak_rps": peak,
@@ -591,9 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak_workers": peak_n,
             "mean_workers": mean_n,
             "first_workers": first_n,
-            "oracle_worker_s": oracle_worker_s(
-                items, sizing, cfg.target_utilization, args.window_s
-            ),
+            "oracle_worker_s": oracle_worker_s(items, sizing, FLEET_UTILIZATION, args.window_s),
             **asdict(sizing),
         }
         print(
