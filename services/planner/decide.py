@@ -42,7 +42,7 @@ class Load:
     forecast_rps: float  # peak over the horizon, margin included
     arrival_rps: float  # the last complete bucket
     queue: int  # requests waiting in the role's workers or held in routers (RouterBeat)
-    busy: int  # requests running in them
+    busy: int  # requests running in them (not in draining ones)
     ttft_s: float | None  # at the SLO quantile; None before any finished request
     idle_s: float  # seconds since the pool's last arrival
     demand_while_zero: bool = False  # a request for the pool arrived while it had no worker

@@ -207,7 +207,8 @@ class Planner:
             recent_rps=view.recent_rps(now, self.cfg.bucket_s),
             queue=sum(w.beat.waiting for w in live)
             + (self.held(pool.name, now) if role != "decode" else 0),
-            busy=sum(w.beat.running for w in live),
+            # A draining worker's requests finish there: they hold no worker to come.
+            busy=sum(w.beat.running for w in live if not w.beat.draining),
             ttft_s=ttft,
             idle_s=now - max(view.last_arrival, self.started),
             oldest_wait_s=self.oldest_wait_s(pool.name, now) if role != "decode" else 0.0,

@@ -276,3 +276,22 @@ def test_the_planner_counts_arrivals_over_a_sliding_bucket() -> None:
     assert pl.series("p") == [0.0]  # the bucket being filled is not in the series yet
     assert view.recent_rps(1.5, 1.0) == 6.0
     assert view.recent_rps(2.2, 1.0) == 0.0  # they left the window
+
+
+def test_a_draining_workers_requests_keep_no_worker() -> None:
+    from libs.protocol import WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(pools=[PoolSettings(name="p", model="m", backend="fake")])
+    pl = Planner(s, "t", now=0.0)
+    for wid, draining in (("w0", False), ("w1", True)):
+        beat = WorkerBeat(
+            worker_id=wid, pool="p", role="aggregated", model="m", capacity=8, running=8
+        )
+        beat.draining = draining
+        pl.on_beat(beat, 9.9)
+    # Eight running on the serving worker keep it; the eight finishing on the draining one
+    # would have asked for a second worker right after the scale-down that drained it.
+    (d,) = pl.plan(10.0)
+    assert (d.current, d.replicas, d.driver) == (1, 1, "busy")
