@@ -9,7 +9,10 @@ the worker. Over the recent samples of a pool role:
   ``itl_slo_s``, capped by the capacity the workers' beats report. A flat line (no growth
   measured, e.g. the fake engine) leaves the beats' capacity.
 - A request's service time is its decode time (``total - ttft`` at the worker) plus the lower
-  quartile of the worker's TTFT: the prefill without the time it waited behind others.
+  decile of the worker's TTFT: the prefill without the time it waited behind others (a wave
+  that queued in the workers leaves most of its samples' TTFT waiting: their lower quartile
+  was 0.5-0.7 s where the prefill was 25 ms, in tests/integration/
+  test_planner_fleet.py).
 - ``worker_rps`` = concurrency / service time: requests a second one worker serves (Little).
 - ``prefill_s``: that prefill, what a request takes on a worker after its wait in the queue
   (queueing.py adds the two).
@@ -30,7 +33,7 @@ from libs.settings import PoolPlanSettings
 from services.planner.decide import Capacity
 
 # Quantile of the workers' TTFT taken as a request's prefill time (the rest was waiting).
-PREFILL_QUANTILE = 0.25
+PREFILL_QUANTILE = 0.1
 # Spread of running counts (max - min) below which no slope of ITL can be fitted.
 MIN_RUNNING_SPREAD = 1.0
 
