@@ -14,9 +14,10 @@ ignore_eos), and the run is measured:
 
 Both scaling modes start at the fleet sized for the trace's first ``--window-s`` (as a planner
 that had been running would be; one worker for every trace but steady), keep ``--standby`` warm
-standby workers (so the two differ by their policy, not their start-up), and share bounds and cooldowns. A fleet sized
-"for" a rate has ceil(rate / (worker_rps x planner.target_utilization)) workers, worker_rps
-from the calibrated costs at ``--slots`` rows (``sizing``).
+standby workers (so the two differ by their policy, not their start-up), and share bounds and
+cooldowns. A fleet sized "for" a rate has ceil(rate / (worker_rps x ``FLEET_UTILIZATION``))
+workers, worker_rps from the calibrated costs at ``--slots`` rows (``sizing``): the peak fleet,
+the mean fleet, the bound of the scaling modes and the oracle, whatever the planner's settings.
 
 Per run: TTFT p50/p99 and ITL p99 as the client saw them, the share of requests within the
 pool's SLO (whole answer, TTFT <= ttft_slo_s, mean ITL <= itl_slo_s), serving worker-seconds
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +58,16 @@ from libs.client import StraitClient
 from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import FakeEngineSettings, NatsSettings, PlannerSettings, PoolPlanSettings
+from services.planner import decide
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIR = ROOT / "bench" / "traces"
 CALIBRATED = ROOT / "configs" / "fake-calibrated.toml"
 MODES = ("peak", "mean", "reactive", "planner")
+# Share of a worker's capacity that a fleet sized "for" a rate fills: the comparison's yardstick
+# (the peak fleet whose worker-seconds the others are measured against), fixed apart from the
+# planner's own settings so that changing how the planner sizes does not move it.
+FLEET_UTILIZATION = 0.8
 
 CONFIG = """
 [gateway]
@@ -152,6 +159,30 @@ def oracle_worker_s(
     without giving up the SLO."""
     series = traces.rate_series(items, window_s, items[-1].t)
     return sum(sizing.workers_for(r, util) for r in series) * window_s
+
+
+def perfect_forecast_worker_s(
+    rate: Callable[[float], float],
+    end_s: float,
+    sizing: Sizing,
+    prefill_s: float,
+    cfg: PlannerSettings,
+    bounds: decide.Bounds,
+) -> float:
+    """Worker-seconds of the planner's own rules fed the trace's true rate (its rate function:
+    no forecast error, no queue) every ``cfg.interval_s``, through the same bounds, cooldowns
+    and stable window as the scaling modes: what its sizing costs with a perfect forecast,
+    its scale-down rules included."""
+    cap = decide.Capacity(sizing.worker_rps, 0, sizing.service_s, "measured", prefill_s)
+    state, current, total, t = decide.RoleState(), bounds.low, 0.0, 0.0
+    while t < end_s:
+        r = rate(t)
+        load = decide.Load(forecast_rps=r, arrival_rps=r, queue=0, busy=0, ttft_s=None, idle_s=0)
+        wanted, driver = decide.need(load, cap, bounds, current, cfg)
+        current = decide.settle(wanted, driver, load, bounds, state, current, t, cfg).replicas
+        total += current * cfg.interval_s
+        t += cfg.interval_s
+    return total
 
 
 def peak_and_mean(items: list[traces.Arrival], window_s: float) -> tuple[float, float]:
@@ -508,13 +539,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="engine.max_num_seqs of a worker")
     p.add_argument("--standby", type=int, default=4, help="planner.warm_standby (scaling modes)")
     p.add_argument("--reactive-queue", type=int, default=8, help="waiting per worker (reactive)")
-    p.add_argument("--horizon-s", type=float, default=10.0)
+    p.add_argument(
+        "--horizon-s",
+        type=float,
+        default=2.0,
+        help="planner.horizon_s of the scaling modes: the time more capacity takes to serve, "
+        "here a warm standby's activation (decision to its first beat ~1.1 s, "
+        "docs/autoscaling.md) and a 0.5 s tick, rounded up",
+    )
     p.add_argument(
         "--planner-utilization",
         type=float,
         default=None,
         help="planner.target_utilization of the scaling modes (default: the setting's); the "
-        "fixed fleets are sized at the setting's default whatever this says",
+        f"fleets are sized at {FLEET_UTILIZATION} whatever this says",
     )
     p.add_argument(
         "--forecast-z", type=float, default=None, help="planner.forecast_z (default: the setting's)"
@@ -579,11 +617,11 @@ def main(argv: list[str] | None = None) -> int:
             items = traces.load(TRACE_DIR / f"{trace}.jsonl")
         sizing = Sizing.of(cost, args.slots, items)
         peak, mean = peak_and_mean(items, args.window_s)
-        peak_n = sizing.workers_for(peak, cfg.target_utilization)
-        mean_n = sizing.workers_for(mean, cfg.target_utilization)
+        peak_n = sizing.workers_for(peak, FLEET_UTILIZATION)
+        mean_n = sizing.workers_for(mean, FLEET_UTILIZATION)
         peak_n = args.max_workers or peak_n
         first = sum(a.t < args.window_s for a in items) / args.window_s
-        first_n = sizing.workers_for(first, cfg.target_utilization)
+        first_n = sizing.workers_for(first, FLEET_UTILIZATION)
         burst = tuple(info["burst_s"]) if "burst_s" in info else None
         meta[trace] = {
             "peak_rps": peak,
@@ -591,15 +629,35 @@ def main(argv: list[str] | None = None) -> int:
             "peak_workers": peak_n,
             "mean_workers": mean_n,
             "first_workers": first_n,
-            "oracle_worker_s": oracle_worker_s(
-                items, sizing, cfg.target_utilization, args.window_s
+            "oracle_worker_s": oracle_worker_s(items, sizing, FLEET_UTILIZATION, args.window_s),
+            "perfect_forecast_worker_s": None
+            if args.real
+            else perfect_forecast_worker_s(
+                lambda t, k=info["compress"], x=info["scale"], f=traces.TRACES[trace].rate: (
+                    f(t * k) * x
+                ),
+                items[-1].t,
+                sizing,
+                prefill_s=sum(a.prompt_tokens for a in items)
+                / len(items)
+                * cost.per_prompt_token_s,
+                cfg=PlannerSettings(
+                    interval_s=0.5,
+                    horizon_s=args.horizon_s,
+                    scale_up_cooldown_s=1.0,
+                    scale_down_stable_s=args.down_stable_s,
+                    scale_down_cooldown_s=args.down_cooldown_s,
+                ),
+                bounds=decide.Bounds(1, peak_n, slo.ttft_slo_s),
             ),
             **asdict(sizing),
         }
         print(
             f"## {trace}: {len(items)} requests over {items[-1].t:.0f} s, peak {peak:.1f} req/s, "
             f"mean {mean:.1f} req/s; a worker serves {sizing.worker_rps:.2f} req/s at "
-            f"{args.slots} rows -> peak fleet {peak_n}, mean fleet {mean_n}",
+            f"{args.slots} rows -> peak fleet {peak_n}, mean fleet {mean_n}; the planner's rules "
+            f"with a perfect forecast: {meta[trace]['perfect_forecast_worker_s'] or 0:.0f} "
+            f"worker-s (the peak fleet's: {peak_n * items[-1].t:.0f})",
             flush=True,
         )
         runs = []

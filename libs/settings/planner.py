@@ -64,8 +64,12 @@ class PlannerSettings(Section):
     history_s: float = Field(default=900.0, gt=0)
     """Seconds of arrival series kept."""
     horizon_s: float = Field(default=60.0, gt=0)
-    """Seconds ahead the pool is sized for: at least a new worker's start-up, so capacity is
-    ready when the forecast load arrives."""
+    """Seconds ahead the pool is sized for: the time more capacity takes to serve (a new
+    worker's start-up, ~15-20 s for a real one with saved graphs; a warm standby's activation,
+    ~1-2 s), so capacity is ready when the forecast load arrives. The pool has the fewest
+    workers whose queue over this long keeps the TTFT within the SLO at `slo_quantile`
+    (services/planner/queueing.py): it runs near full when the wait that may build before more
+    capacity comes fits in the SLO."""
     forecast_method: Literal["holt", "arima", "ewma", "last"] = "holt"
     """"holt" (damped-trend exponential smoothing), "arima", "ewma", "last"; docs/planner.md
     has each one's measured error on the shipped traces (bench/planner_forecast.py)."""
@@ -78,13 +82,17 @@ class PlannerSettings(Section):
     """"reactive" policy: waiting requests one worker is sized for."""
     min_history_buckets: int = Field(default=6, ge=2)
     """Buckets of history below which the forecast is the recent mean (no model fitted)."""
-    forecast_z: float = Field(default=1.0, ge=0)
+    forecast_z: float = Field(default=0.0, ge=0)
     """The plan sizes for the forecast's peak plus this many standard deviations of the
-    series' bucket-to-bucket noise (a forecast is a mean; arrivals scatter around it)."""
-    target_utilization: float = Field(default=0.8, gt=0, le=1)
-    """Share of a worker's capacity at the SLO that the plan fills (headroom for noise)."""
-    slo_quantile: float = Field(default=0.9, gt=0, lt=1)
-    """Quantile of TTFT and ITL compared with the pool's SLO."""
+    series' bucket-to-bucket noise. 0: the queue model (`horizon_s`) already carries the
+    arrivals' scatter around the forecast; more is a margin for the forecast's own error."""
+    target_utilization: float = Field(default=1.0, gt=0, le=1)
+    """Most of a worker's capacity that the forecast may fill: the plan never has fewer workers
+    than the forecast over (worker capacity x this). The headroom above comes from the queue
+    model (the TTFT SLO at `slo_quantile`), not from this."""
+    slo_quantile: float = Field(default=0.95, gt=0, lt=1)
+    """Quantile of TTFT and ITL compared with the pool's SLO: the share of requests the plan
+    keeps within it."""
     scale_up_cooldown_s: float = Field(default=5.0, ge=0)
     """Seconds after a change before the next scale-up."""
     scale_up_urgent_fraction: float = Field(default=0.5, ge=0)

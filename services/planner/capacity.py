@@ -9,8 +9,13 @@ the worker. Over the recent samples of a pool role:
   ``itl_slo_s``, capped by the capacity the workers' beats report. A flat line (no growth
   measured, e.g. the fake engine) leaves the beats' capacity.
 - A request's service time is its decode time (``total - ttft`` at the worker) plus the lower
-  quartile of the worker's TTFT: the prefill without the time it waited behind others.
+  decile of the worker's TTFT: the prefill without the time it waited behind others (a wave
+  that queued in the workers leaves most of its samples' TTFT waiting: their lower quartile
+  was 0.5-0.7 s where the prefill was 25 ms, in tests/integration/
+  test_planner_fleet.py).
 - ``worker_rps`` = concurrency / service time: requests a second one worker serves (Little).
+- ``prefill_s``: that prefill, what a request takes on a worker after its wait in the queue
+  (queueing.py adds the two).
 
 Prefill workers of a disaggregated pool finish no request of their own (the decode worker
 reports it): their capacity is ``prior_prefill_tokens_per_s`` over the measured mean prompt.
@@ -28,7 +33,7 @@ from libs.settings import PoolPlanSettings
 from services.planner.decide import Capacity
 
 # Quantile of the workers' TTFT taken as a request's prefill time (the rest was waiting).
-PREFILL_QUANTILE = 0.25
+PREFILL_QUANTILE = 0.1
 # Spread of running counts (max - min) below which no slope of ITL can be fitted.
 MIN_RUNNING_SPREAD = 1.0
 
@@ -78,7 +83,7 @@ def worker_capacity(
     prefill = quantile([s.worker_ttft_s for s in samples], PREFILL_QUANTILE) or 0.0
     service = float(np.mean([s.decode_s for s in samples])) + prefill
     service = max(service, 1e-3)
-    return Capacity(conc / service, conc, service, "measured")
+    return Capacity(conc / service, conc, service, "measured", prefill_s=prefill)
 
 
 def prefill_capacity(samples: Sequence[Sample], slo: PoolPlanSettings) -> Capacity:

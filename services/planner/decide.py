@@ -4,12 +4,13 @@ it needs; then bounds, cooldowns and scale-to-zero. Pure functions, no I/O.
 Sizing (``need``), each term in workers of the role, the largest wins (its name is the
 decision's ``driver``):
 
-- ``forecast``: the forecast's peak over the horizon (plus its noise margin) over what one
-  worker serves within the SLO, filled to ``target_utilization``;
-- ``queue``: today's arrivals (the last bucket's rate, or the sliding last ``bucket_s``'s when
-  higher: a step shows within a tick, not a bucket) plus the requests waiting in the workers
-  and held in routers, to be cleared within the TTFT SLO, over the same capacity (the
-  reactive term: what no forecast saw coming);
+- ``forecast``: the fewest workers whose predicted TTFT at ``slo_quantile`` stays within the
+  TTFT SLO (``queueing.replicas_for_ttft``: the pool as one queue, the forecast's peak over the
+  horizon arriving, the requests waiting now in front, over the horizon, the time more
+  capacity takes to come), and never fewer than fill the forecast to ``target_utilization``;
+- ``queue``: while requests wait, the same prediction at today's arrivals (the last bucket's
+  rate, or the sliding last ``bucket_s``'s when higher: a step shows within a tick, not a
+  bucket) (the reactive term: what no forecast saw coming);
 - ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
   now, whatever the arithmetic says (the capacity estimate is wrong).
 
@@ -28,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from libs.settings import PlannerSettings
+from services.planner.queueing import replicas_for_ttft
 
 # Below this many requests a second, a forecast is no load (a fit's leftover noise).
 NO_LOAD_RPS = 1e-3
@@ -40,7 +42,7 @@ class Load:
     forecast_rps: float  # peak over the horizon, margin included
     arrival_rps: float  # the last complete bucket
     queue: int  # requests waiting in the role's workers or held in routers (RouterBeat)
-    busy: int  # requests running in them
+    busy: int  # requests running in them (not in draining ones)
     ttft_s: float | None  # at the SLO quantile; None before any finished request
     idle_s: float  # seconds since the pool's last arrival
     demand_while_zero: bool = False  # a request for the pool arrived while it had no worker
@@ -56,6 +58,7 @@ class Capacity:
     concurrency: int
     service_s: float
     source: str  # "measured" | "prior"
+    prefill_s: float = 0.0  # a request's time on a worker before its first token (no wait)
 
 
 @dataclass(frozen=True)
@@ -82,19 +85,28 @@ class Verdict:
     factors: list[str] = field(default_factory=list)
 
 
-def need(load: Load, cap: Capacity, bounds: Bounds, current: int, util: float) -> tuple[int, str]:
+def need(
+    load: Load, cap: Capacity, bounds: Bounds, current: int, cfg: PlannerSettings
+) -> tuple[int, str]:
     """Workers the load needs now and what set it (before bounds and cooldowns)."""
-    per_worker = max(cap.worker_rps * util, 1e-9)
+
+    def for_slo(rate: float) -> int:
+        return replicas_for_ttft(
+            rate,
+            load.queue,
+            cap.worker_rps,
+            cap.prefill_s,
+            bounds.ttft_slo_s,
+            cfg.horizon_s,
+            cfg.slo_quantile,
+        )
+
+    filled = max(cap.worker_rps * cfg.target_utilization, 1e-9)
     terms = {
-        "forecast": math.ceil(load.forecast_rps / per_worker - 1e-9)
+        "forecast": max(for_slo(load.forecast_rps), math.ceil(load.forecast_rps / filled - 1e-9))
         if load.forecast_rps > NO_LOAD_RPS
         else 0,
-        "queue": math.ceil(
-            (max(load.arrival_rps, load.recent_rps) + load.queue / bounds.ttft_slo_s) / per_worker
-            - 1e-9
-        )
-        if load.queue > 0
-        else 0,
+        "queue": for_slo(max(load.arrival_rps, load.recent_rps)) if load.queue > 0 else 0,
         "ttft_slo": current + 1
         if load.queue > 0 and load.ttft_s is not None and load.ttft_s > bounds.ttft_slo_s
         else 0,

@@ -207,7 +207,8 @@ class Planner:
             recent_rps=view.recent_rps(now, self.cfg.bucket_s),
             queue=sum(w.beat.waiting for w in live)
             + (self.held(pool.name, now) if role != "decode" else 0),
-            busy=sum(w.beat.running for w in live),
+            # A draining worker's requests finish there: they hold no worker to come.
+            busy=sum(w.beat.running for w in live if not w.beat.draining),
             ttft_s=ttft,
             idle_s=now - max(view.last_arrival, self.started),
             oldest_wait_s=self.oldest_wait_s(pool.name, now) if role != "decode" else 0.0,
@@ -217,7 +218,7 @@ class Planner:
         if self.cfg.policy == "reactive":
             wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)
         else:
-            wanted, driver = decide.need(load, cap, bounds, current, self.cfg.target_utilization)
+            wanted, driver = decide.need(load, cap, bounds, current, self.cfg)
         state = self.states.setdefault((pool.name, role), decide.RoleState())
         verdict = decide.settle(wanted, driver, load, bounds, state, current, now, self.cfg)
         return PlanDecision(
@@ -231,6 +232,7 @@ class Planner:
                 *verdict.factors,
                 f"concurrency={cap.concurrency}",
                 f"service_s={cap.service_s:.3f}",
+                f"prefill_s={cap.prefill_s:.3f}",
                 f"samples={len(samples)}",
             ],
             arrival_rps=round(load.arrival_rps, 3),

@@ -48,3 +48,28 @@ def test_summary_scores_slo_worker_seconds_and_burst_catch_up() -> None:
     # Seconds 0..3: 1 + 1 + 2 + 2 workers beating (a draining one still costs).
     assert s["worker_s"] == 6
     assert s["burst_full_after_s"] == 1  # two serving workers from second 2, burst at 1
+
+
+def test_the_perfect_forecast_floor_pays_the_scale_down_rules() -> None:
+    from bench.autoscaling import perfect_forecast_worker_s
+    from libs.settings import PlannerSettings
+    from services.planner.decide import Bounds
+
+    cfg = PlannerSettings(
+        interval_s=0.5,
+        horizon_s=2.0,
+        scale_up_cooldown_s=1.0,
+        scale_down_stable_s=10.0,
+        scale_down_cooldown_s=5.0,
+    )
+    # 7 req/s for 10 s needs two workers of 4 req/s, then 1 req/s one: two from the start,
+    # and the second stays the 10 s stable window after the rate fell, so 40 + 10, not 20 + 20.
+    got = perfect_forecast_worker_s(
+        lambda t: 7.0 if t < 10 else 1.0,
+        30.0,
+        Sizing(service_s=2.0, worker_rps=4.0),
+        prefill_s=0.1,
+        cfg=cfg,
+        bounds=Bounds(1, 4, 2.0),
+    )
+    assert got == pytest.approx(50.0)
