@@ -18,7 +18,9 @@ settings say unless given), driven step by step with real time; every scenario r
   ``--batch-rows`` batch-class requests (``--batch-tokens`` each, replaced as they end) with
   ``engine.batch_yields_to_prompts`` on, and beside them with it off; ``--rounds`` rounds, the
   three runs in a rotating order; the streams' TTFT p50/p99 of each, pooled, and each round's
-  beside/alone p99 ratio (issue 39, decision 0030). Not in ``all``.
+  beside/alone p99 ratio (issue 39, decision 0030); before them ``--arrivals`` single
+  interactive prompts among the streams and rows, nothing queued (``arrival_ttft``). Not in
+  ``all``.
 
 It prints, per target: output tok/s, TTFT p50/p99, ITL p50/p99 (a stream's gap between tokens),
 steps over the target; the served comparison with llama-server is ``bench.serve`` (this one is
@@ -163,6 +165,59 @@ def report(
     return row
 
 
+def arrival_ttft(
+    engine: Any, prompts: Callable[[int, int], Callable[[int], tuple[list[int], int]]], args: Any
+) -> None:
+    """TTFT of one interactive prompt at a time (``--arrivals`` of them) arriving among
+    ``--streams`` decoding streams: beside ``--batch-rows`` decoding batch rows that yield to
+    it and that share its step (alternating), then alone (the batch rows aborted). Nothing
+    queues: each TTFT is the step that computes the prompt, what the batch's rows add to it."""
+    tag, keep_tokens = time.time_ns(), 1500  # the streams and rows decode throughout
+    chat, bulk, probe = prompts(7, keep_tokens), prompts(8, keep_tokens), prompts(9, 1)
+    sampling = SamplingParams(max_tokens=keep_tokens, temperature=0.0, ignore_eos=True)
+    kept = [f"k{tag}-{i}" for i in range(args.streams)]
+    rows = [f"kb{tag}-{i}" for i in range(args.batch_rows)]
+    for i, rid in enumerate(kept):
+        engine.add_request(rid, chat(i)[0], sampling)
+    for i, rid in enumerate(rows):
+        engine.add_request(rid, bulk(i)[0], sampling, "batch")
+    decoding: set[str] = set()
+    while len(decoding) < len(kept) + len(rows):
+        decoding |= {o.request_id for o in engine.step() if o.chunk.token_ids}
+    n = 0
+
+    def arrive() -> float:
+        nonlocal n
+        rid, n = f"p{tag}-{n}", n + 1
+        engine.add_request(rid, probe(n)[0], SamplingParams(max_tokens=1, temperature=0.0))
+        t0 = time.perf_counter()
+        while not any(o.request_id == rid and o.chunk.token_ids for o in engine.step()):
+            pass
+        ttft = time.perf_counter() - t0
+        engine.step()  # a decode step between arrivals
+        return ttft
+
+    ttft: dict[str, list[float]] = {"alone": [], "yielding": [], "sharing": []}
+    for i in range(args.arrivals):
+        for c in ("yielding", "sharing") if i % 2 == 0 else ("sharing", "yielding"):
+            engine.scheduler.batch_yields_to_prompts = c == "yielding"
+            ttft[c].append(arrive())
+    for rid in rows:
+        engine.abort_request(rid)
+    for _ in range(args.arrivals):
+        ttft["alone"].append(arrive())
+    for rid in kept:
+        engine.abort_request(rid)
+    engine.scheduler.batch_yields_to_prompts = True
+    for c, t in ttft.items():
+        print(
+            f"  one arrival among {args.streams} streams, {c:<9}: TTFT p50 "
+            f"{1000 * pct(t, 0.5):.0f} p99 {1000 * pct(t, 0.99):.0f} ms "
+            f"(p50 {pct(t, 0.5) / pct(ttft['alone'], 0.5):.2f}x alone's)",
+            flush=True,
+        )
+
+
 def batch_scenario(
     engine: Any, prompts: Callable[[int, int], Callable[[int], tuple[list[int], int]]], args: Any
 ) -> None:
@@ -172,6 +227,10 @@ def batch_scenario(
     ttft: dict[str, list[float]] = {c: [] for c in conditions}
     ratios: dict[str, list[float]] = {c: [] for c in conditions[1:]}
     batch_tok_s: dict[str, list[float]] = {c: [] for c in conditions[1:]}
+    if args.arrivals:
+        arrival_ttft(engine, prompts, args)
+    if not args.rounds:
+        return
     for r in range(args.rounds):
         p99: dict[str, float] = {}
         for k in range(len(conditions)):
@@ -228,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--long-tokens", type=int, default=3000)
-    p.add_argument("--rounds", type=int, default=6, help="batch: rounds of the three runs")
+    p.add_argument("--rounds", type=int, default=6, help="batch: closed-loop rounds (0: none)")
+    p.add_argument("--arrivals", type=int, default=30, help="batch: single arrivals of each")
     p.add_argument("--batch-rows", type=int, default=16, help="batch: batch requests running")
     p.add_argument("--batch-tokens", type=int, default=16, help="batch: a batch answer's tokens")
     p.add_argument("--compile", choices=("settings", "on", "off"), default="settings")

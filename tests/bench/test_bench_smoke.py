@@ -216,9 +216,13 @@ RUNS = [
     ),
     Run(
         "tail",
-        "--scenario batch --targets 60 --rounds 1 --streams 2 --requests 2 --batch-rows 2 "
+        "--scenario batch --targets 60 --rounds 1 --arrivals 2 --streams 2 --requests 2 --batch-rows 2 "
         "--max-tokens 4 --batch-tokens 2 --long-tokens 64 --compile off",
-        (r"^  round 0: TTFT p99 alone \d+ ms", r"^  sharing +2 requests: .* tok/s$"),
+        (
+            r"^  one arrival among 2 streams, sharing +: TTFT p50 \d+",
+            r"^  round 0: TTFT p99 alone \d+ ms",
+            r"^  sharing +2 requests: .* tok/s$",
+        ),
         real_model=True,
     ),
     Run(
