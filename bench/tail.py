@@ -13,7 +13,14 @@ settings say unless given), driven step by step with real time; every scenario r
 - ``long``: ``--streams`` // 2 chat streams running, then one prompt of ``--long-tokens`` tokens
   arrives; the chat streams' ITL p99 with it, and in the same run's window without it;
 - ``mixed``: 25% long answers (512 tokens) and 75% short (32) in ``--streams`` closed-loop
-  streams; the short answers' E2E p99, against a run of short answers alone.
+  streams; the short answers' E2E p99, against a run of short answers alone;
+- ``batch``: ``--streams`` closed-loop chat streams (``--requests`` in all) alone, beside
+  ``--batch-rows`` batch-class requests (``--batch-tokens`` each, replaced as they end) with
+  ``engine.batch_yields_to_prompts`` on, and beside them with it off; ``--rounds`` rounds, the
+  three runs in a rotating order; the streams' TTFT p50/p99 of each, pooled, and each round's
+  beside/alone p99 ratio (issue 39, decision 0030); before them ``--arrivals`` single
+  interactive prompts among the streams and rows, nothing queued (``arrival_ttft``). Not in
+  ``all``.
 
 It prints, per target: output tok/s, TTFT p50/p99, ITL p50/p99 (a stream's gap between tokens),
 steps over the target; the served comparison with llama-server is ``bench.serve`` (this one is
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.workloads import generate
-from libs.protocol import SamplingParams
+from libs.protocol import Priority, SamplingParams
 
 SHORT, LONG = 32, 512  # the mixed scenario's answer lengths
 LONG_SHARE = 4  # one request in LONG_SHARE is long
@@ -43,6 +50,7 @@ class Stream:
     tokens: list[float] = field(default_factory=list)  # arrival time of each output token
     done: float | None = None
     max_tokens: int = 0
+    priority: Priority = "interactive"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -62,21 +70,34 @@ def gaps(streams: list[Stream]) -> list[float]:
 class Driver:
     """Runs the engine until every stream is done, starting streams as ``arrivals`` says."""
 
-    def __init__(self, engine: Any, prompts: Callable[[int], tuple[list[int], int]]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        prompts: Callable[[int], tuple[list[int], int]],
+        batch_prompts: Callable[[int], tuple[list[int], int]] | None = None,
+    ) -> None:
         self.engine = engine
         self.prompts = prompts
+        self.batch_prompts = batch_prompts
         self.streams: dict[str, Stream] = {}
-        self.n = 0
+        self.n = 0  # interactive requests started
+        self.n_batch = 0
         self.tag = time.time_ns()
         self.step_s: list[float] = []  # each step's wall time
 
-    def start(self) -> Stream:
-        ids, max_tokens = self.prompts(self.n)
-        rid = f"t{self.tag}-{self.n}"
-        self.n += 1
+    def start(self, priority: Priority = "interactive") -> Stream:
+        if priority == "batch":
+            assert self.batch_prompts is not None
+            ids, max_tokens = self.batch_prompts(self.n_batch)
+            rid = f"b{self.tag}-{self.n_batch}"
+            self.n_batch += 1
+        else:
+            ids, max_tokens = self.prompts(self.n)
+            rid = f"t{self.tag}-{self.n}"
+            self.n += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(rid, ids, sampling)
-        st = Stream(rid, time.perf_counter(), max_tokens=max_tokens)
+        self.engine.add_request(rid, ids, sampling, priority)
+        st = Stream(rid, time.perf_counter(), max_tokens=max_tokens, priority=priority)
         self.streams[rid] = st
         return st
 
@@ -97,15 +118,26 @@ class Driver:
                 ended.append(st)
         return ended
 
-    def closed_loop(self, concurrency: int, total: int) -> list[Stream]:
+    def closed_loop(self, concurrency: int, total: int, batch_rows: int = 0) -> list[Stream]:
+        """``total`` interactive requests, ``concurrency`` at a time; beside them
+        ``batch_rows`` batch-class requests, each replaced as it ends, aborted at the end.
+        Returns the interactive streams."""
         for _ in range(min(concurrency, total)):
             self.start()
+        for _ in range(batch_rows):
+            self.start("batch")
         finished: list[Stream] = []
         while len(finished) < total:
             for st in self.step():
+                if st.priority == "batch":
+                    self.start("batch")
+                    continue
                 finished.append(st)
                 if self.n < total:
                     self.start()
+        for st in self.streams.values():
+            if st.done is None:
+                self.engine.abort_request(st.request_id)
         return finished
 
 
@@ -133,6 +165,113 @@ def report(
     return row
 
 
+def arrival_ttft(
+    engine: Any, prompts: Callable[[int, int], Callable[[int], tuple[list[int], int]]], args: Any
+) -> None:
+    """TTFT of one interactive prompt at a time (``--arrivals`` of them) arriving among
+    ``--streams`` decoding streams: beside ``--batch-rows`` decoding batch rows that yield to
+    it and that share its step (alternating), then alone (the batch rows aborted). Nothing
+    queues: each TTFT is the step that computes the prompt, what the batch's rows add to it."""
+    tag, keep_tokens = time.time_ns(), 1500  # the streams and rows decode throughout
+    chat, bulk, probe = prompts(7, keep_tokens), prompts(8, keep_tokens), prompts(9, 1)
+    sampling = SamplingParams(max_tokens=keep_tokens, temperature=0.0, ignore_eos=True)
+    kept = [f"k{tag}-{i}" for i in range(args.streams)]
+    rows = [f"kb{tag}-{i}" for i in range(args.batch_rows)]
+    for i, rid in enumerate(kept):
+        engine.add_request(rid, chat(i)[0], sampling)
+    for i, rid in enumerate(rows):
+        engine.add_request(rid, bulk(i)[0], sampling, "batch")
+    decoding: set[str] = set()
+    while len(decoding) < len(kept) + len(rows):
+        decoding |= {o.request_id for o in engine.step() if o.chunk.token_ids}
+    n = 0
+
+    def arrive() -> float:
+        nonlocal n
+        rid, n = f"p{tag}-{n}", n + 1
+        engine.add_request(rid, probe(n)[0], SamplingParams(max_tokens=1, temperature=0.0))
+        t0 = time.perf_counter()
+        while not any(o.request_id == rid and o.chunk.token_ids for o in engine.step()):
+            pass
+        ttft = time.perf_counter() - t0
+        engine.step()  # a decode step between arrivals
+        return ttft
+
+    ttft: dict[str, list[float]] = {"alone": [], "yielding": [], "sharing": []}
+    for i in range(args.arrivals):
+        for c in ("yielding", "sharing") if i % 2 == 0 else ("sharing", "yielding"):
+            engine.scheduler.batch_yields_to_prompts = c == "yielding"
+            ttft[c].append(arrive())
+    for rid in rows:
+        engine.abort_request(rid)
+    for _ in range(args.arrivals):
+        ttft["alone"].append(arrive())
+    for rid in kept:
+        engine.abort_request(rid)
+    engine.scheduler.batch_yields_to_prompts = True
+    for c, t in ttft.items():
+        print(
+            f"  one arrival among {args.streams} streams, {c:<9}: TTFT p50 "
+            f"{1000 * pct(t, 0.5):.0f} p99 {1000 * pct(t, 0.99):.0f} ms "
+            f"(p50 {pct(t, 0.5) / pct(ttft['alone'], 0.5):.2f}x alone's)",
+            flush=True,
+        )
+
+
+def batch_scenario(
+    engine: Any, prompts: Callable[[int, int], Callable[[int], tuple[list[int], int]]], args: Any
+) -> None:
+    """The ``batch`` scenario: per round, the streams alone, beside batch rows that yield to
+    interactive prompts, and beside batch rows that share their steps, in a rotating order."""
+    conditions = ("alone", "yielding", "sharing")
+    ttft: dict[str, list[float]] = {c: [] for c in conditions}
+    ratios: dict[str, list[float]] = {c: [] for c in conditions[1:]}
+    batch_tok_s: dict[str, list[float]] = {c: [] for c in conditions[1:]}
+    if args.arrivals:
+        arrival_ttft(engine, prompts, args)
+    if not args.rounds:
+        return
+    for r in range(args.rounds):
+        p99: dict[str, float] = {}
+        for k in range(len(conditions)):
+            c = conditions[(r + k) % len(conditions)]
+            engine.scheduler.batch_yields_to_prompts = c != "sharing"
+            seed = 100 * r  # the same prompts in each run of a round (tagged: no cache hits)
+            d = Driver(engine, prompts(seed, args.max_tokens), prompts(seed + 1, args.batch_tokens))
+            t0 = time.perf_counter()
+            streams = d.closed_loop(
+                args.streams, args.requests, 0 if c == "alone" else args.batch_rows
+            )
+            wall = time.perf_counter() - t0
+            t = [st.tokens[0] - st.sent for st in streams if st.tokens]
+            ttft[c] += t
+            p99[c] = pct(t, 0.99)
+            if c != "alone":
+                done = sum(len(st.tokens) for st in d.streams.values() if st.priority == "batch")
+                batch_tok_s[c].append(done / wall)
+        for c in conditions[1:]:
+            ratios[c].append(p99[c] / p99["alone"])
+        print(
+            f"  round {r}: TTFT p99 alone {1000 * p99['alone']:.0f} ms, batch yielding "
+            f"{1000 * p99['yielding']:.0f} ({ratios['yielding'][-1]:.2f}x), sharing "
+            f"{1000 * p99['sharing']:.0f} ({ratios['sharing'][-1]:.2f}x)",
+            flush=True,
+        )
+    for c in conditions:
+        line = (
+            f"  {c:<9} {len(ttft[c])} requests: TTFT p50 {1000 * pct(ttft[c], 0.5):.0f} "
+            f"p99 {1000 * pct(ttft[c], 0.99):.0f} ms"
+        )
+        if c != "alone":
+            q = sorted(ratios[c])
+            line += (
+                f", pooled p99 / alone {pct(ttft[c], 0.99) / pct(ttft['alone'], 0.99):.2f}x, "
+                f"rounds' ratio median {statistics.median(q):.2f}x ({q[0]:.2f}-{q[-1]:.2f}), "
+                f"batch {statistics.median(batch_tok_s[c]):.0f} tok/s"
+            )
+        print(line, flush=True)
+
+
 def over_target() -> float:
     from libs.engine import metrics
 
@@ -142,12 +281,16 @@ def over_target() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.tail", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=("all", "chat", "long", "mixed"), default="all")
+    p.add_argument("--scenario", choices=("all", "chat", "long", "mixed", "batch"), default="all")
     p.add_argument("--targets", default="0,120", help="engine.itl_target_ms values, ms")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--long-tokens", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=6, help="batch: closed-loop rounds (0: none)")
+    p.add_argument("--arrivals", type=int, default=30, help="batch: single arrivals of each")
+    p.add_argument("--batch-rows", type=int, default=16, help="batch: batch requests running")
+    p.add_argument("--batch-tokens", type=int, default=16, help="batch: a batch answer's tokens")
     p.add_argument("--compile", choices=("settings", "on", "off"), default="settings")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--verbose", action="store_true", help="list steps over the target")
@@ -287,6 +430,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{over_target() - before:.0f}",
                 flush=True,
             )
+        if args.scenario == "batch":
+
+            def prompts(
+                seed: int, max_tokens: int, t: float = t
+            ) -> Callable[[int], tuple[list[int], int]]:
+                make = chat_prompt(int(t) + 4 + seed)
+                return lambda i: (make(i)[0], max_tokens)
+
+            batch_scenario(engine, prompts, args)
         if args.scenario in ("all", "mixed"):
             for label, share in (("short only", 0), ("25% long", LONG_SHARE)):
                 base = chat_prompt(int(t) + 3)

@@ -93,6 +93,10 @@ class EngineSettings(BaseModel):
     itl_target_ms: float = Field(default=0.0, ge=0)
     # Prompt tokens a step computes while prompts wait, whatever the target (TTFT's floor).
     min_prefill_tokens: int = Field(default=16, ge=1)
+    # Batch-class sequences sit out every step that computes an interactive prompt (they keep
+    # their blocks and resume the step after), so a batch never lengthens interactive TTFT
+    # (decision 0030). false: they share those steps, interactive first.
+    batch_yields_to_prompts: bool = True
     enable_prefix_caching: bool = True
     # torch's threads in an engine process. 0: torch's default (every core); -1: every core
     # but one, for a worker that shares its machine with the rest of the fleet (its event

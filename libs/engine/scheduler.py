@@ -15,7 +15,11 @@ queues. Policy:
   waiting; it is recomputed later, keeping the tokens it already produced);
 - waiting sequences are then admitted in order while the budget, ``max_num_seqs`` and free
   blocks allow, reusing prefix-cache hits; an interactive arrival may preempt running batch
-  work to get in.
+  work to get in;
+- with ``batch_yields_to_prompts``, batch-class sequences sit out every step that computes an
+  interactive prompt (one is waiting or prefilling): they keep their blocks and go on in the
+  next step without one, so an interactive prompt's step carries no batch rows or chunks and
+  its TTFT is what it would be without the batch.
 
 The output is ``{sequence: number of tokens}`` (a list of :class:`ScheduledSeq`), not "one token
 per decode": a decoding sequence with proposed tokens (``Sequence.spec_tokens``, set by
@@ -93,6 +97,7 @@ class Scheduler:
         self.chunk = settings.prefill_chunk_tokens or settings.max_num_batched_tokens
         self.itl_target_s = settings.itl_target_ms / 1000
         self.min_prefill_tokens = settings.min_prefill_tokens
+        self.batch_yields_to_prompts = settings.batch_yields_to_prompts
         self.cost = cost if cost is not None else StepCostModel()
         # Heap of (sort key, seq); aborted entries are skipped lazily (status FINISHED).
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []
@@ -144,13 +149,17 @@ class Scheduler:
         out = SchedulerOutput()
         self.running.sort(key=Sequence.sort_key)
         self._make_room_for_interactive(out)
+        # Running is sorted by class: batch-class sequences sitting out are its tail.
+        batch_sits_out = self._batch_sits_out()
         budget = self.max_num_batched_tokens
-        prompt_left = self._prompt_allowance(out)
+        prompt_left = self._prompt_allowance(out, batch_sits_out)
 
         out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if batch_sits_out and seq.priority_class > 0:
+                break
             n = min(seq.num_uncomputed_tokens, self.chunk, budget)
             if seq.num_uncomputed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
                 n = min(n, prompt_left)
@@ -175,7 +184,7 @@ class Scheduler:
 
         while budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
             new = self._peek_waiting()
-            if new is None:
+            if new is None or (batch_sits_out and new.priority_class > 0):
                 break
             hits = self.kv.find_prefix(new)
             cached = len(hits) * self.kv.block_size
@@ -195,21 +204,31 @@ class Scheduler:
             prompt_left -= n
         return out
 
-    def decode_rows(self) -> int:
-        """Rows the running decoding sequences take next step (each one plus its proposals)."""
-        return sum(1 + len(s.spec_tokens) for s in self.running if s.num_uncomputed_tokens == 1)
+    def decode_rows(self, batch: bool = True) -> int:
+        """Rows the running decoding sequences take next step (each one plus its proposals);
+        without ``batch``, those of interactive sequences only."""
+        return sum(
+            1 + len(s.spec_tokens)
+            for s in self.running
+            if s.num_uncomputed_tokens == 1 and (batch or s.priority_class == 0)
+        )
 
-    def _prompt_allowance(self, out: SchedulerOutput) -> int:
+    def _prompt_allowance(self, out: SchedulerOutput, batch_sits_out: bool = False) -> int:
         """Prompt tokens this step may carry: all of the budget without a target (or before
         the cost model has seen enough steps), else what the target leaves after the decode
-        rows (``out.budget`` says how it was decided)."""
+        rows that run (``out.budget`` says how it was decided)."""
         if self.itl_target_s <= 0:
             return self.max_num_batched_tokens
-        rows = self.decode_rows()
+        rows = self.decode_rows(batch=not batch_sits_out)
         # Where the step's prompt tokens begin: the first running prompt's next chunk (it
         # takes the allowance first), else a new admission's (0, or its cached prefix).
         start = next(
-            (s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens > 1), 0
+            (
+                s.num_computed_tokens
+                for s in self.running
+                if s.num_uncomputed_tokens > 1 and not (batch_sits_out and s.priority_class > 0)
+            ),
+            0,
         )
         out.budget = self.cost.prefill_budget(
             self.itl_target_s,
@@ -219,6 +238,16 @@ class Scheduler:
             start,
         )
         return self.max_num_batched_tokens if out.budget is None else out.budget.tokens
+
+    def _batch_sits_out(self) -> bool:
+        """Whether batch work sits out this step: ``batch_yields_to_prompts`` and an
+        interactive prompt waits or is being computed (its TTFT runs)."""
+        if not self.batch_yields_to_prompts:
+            return False
+        head = self._peek_waiting()
+        if head is not None and head.priority_class == 0:
+            return True
+        return any(s.priority_class == 0 and s.is_prefilling for s in self.running)
 
     def _make_room_for_interactive(self, out: SchedulerOutput) -> None:
         """Preempt running batch-class work while an interactive arrival cannot get in."""

@@ -116,14 +116,23 @@ RUNS = [
     Run("responses_overhead", "--requests 3", (r"\| chat \| [\d.]+ \|", r"\| responses \|")),
     Run(
         "batch_ttft",
-        "--lines 4 --streams 2 --seconds 1 --max-tokens 4 --batch-tokens 4 --batch-inflight 2",
-        (r"\| alone \| \d+ \|", r'"status": "completed"'),
+        "--lines 4 --streams 2 --seconds 1 --max-tokens 4 --batch-tokens 4 --batch-inflight 2 "
+        "--pairs 2",
+        (
+            r"\| 1 \| alone \| [\d.]+ → [\d.]+ \| \d+ \|",
+            r'"status": "completed"',
+            r'^summary: .*"pairs": 2',
+        ),
     ),
     Run(
         "batch_ttft",
         "--processes --lines 4 --streams 2 --seconds 1 --max-tokens 4 --batch-tokens 4 "
-        "--batch-inflight 2",
-        (r"\| beside \| \d+ \|", r'"status": "completed"', r'"batch": [\d.]+'),
+        "--batch-inflight 2 --pairs 1",
+        (
+            r"\| 0 \| beside \| [\d.]+ → [\d.]+ \| \d+ \|",
+            r'"status": "completed"',
+            r'"batch": \[[\d.]+, [\d.]+\]',
+        ),
     ),
     Run("security", "--requests 3", (r"request p50 [\d.]+ ms", r"revoke:")),
     Run(
@@ -203,6 +212,17 @@ RUNS = [
         "tail",
         "--scenario chat --targets 0 --streams 2 --requests 2 --max-tokens 4 --compile off",
         (r"^engine.itl_target_ms = 0", r"tok/s +TTFT p50"),
+        real_model=True,
+    ),
+    Run(
+        "tail",
+        "--scenario batch --targets 60 --rounds 1 --arrivals 2 --streams 2 --requests 2 --batch-rows 2 "
+        "--max-tokens 4 --batch-tokens 2 --long-tokens 64 --compile off",
+        (
+            r"^  one arrival among 2 streams, sharing +: TTFT p50 \d+",
+            r"^  round 0: TTFT p99 alone \d+ ms",
+            r"^  sharing +2 requests: .* tok/s$",
+        ),
         real_model=True,
     ),
     Run(

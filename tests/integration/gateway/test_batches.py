@@ -1,6 +1,6 @@
 """The Files and Batch APIs as the official ``openai`` SDK calls them, on FAKE workers: a batch
 answered line for line (bad lines in the error file, billed to the key), refusals, cancel, and
-a batch runner and router killed mid-batch losing and doubling nothing; each on SQLite and on
+a batch runner, the router and a worker killed mid-batch losing and doubling nothing; each on SQLite and on
 PostgreSQL (``TEST_DATABASE_URL``)."""
 
 from __future__ import annotations
@@ -171,22 +171,26 @@ async def test_cancel_a_batch(db_settings: Settings) -> None:
                 await c.batches.cancel(small.id)
 
 
-async def test_runner_and_router_killed_mid_batch(db_settings: Settings) -> None:
+async def test_runner_router_and_a_worker_killed_mid_batch(db_settings: Settings) -> None:
     db_settings.fake_engine.per_token_s = 0.01
     db_settings.batch.max_inflight = 4
     db_settings.batch.ack_wait_s = 1.5
     key = await ensure_dev_key(db_settings)
     n = 60
     async with GatewayFleet(db_settings) as fleet:
-        await fleet.add_worker("w1")
+        doomed = await fleet.add_worker("w1")
+        await fleet.add_worker("w2")
         base = await fleet.gateway()
-        await fleet.wait_workers(1)
+        await fleet.wait_workers(2)
         app = fleet.apps[0]
         runner: BatchRunner = app.state.batch_runner
         async with client(base, key) as c:
             batch = await submit(c, [line(i, max_tokens=8) for i in range(n)])
             await eventually(lambda: _answered(runner, 10))
-            # Kill the runner with lines in flight (unacked) and the router with requests.
+            await eventually(lambda: _running(doomed.backend))
+            # Kill, with lines in flight: a worker (no word, no more beats) with its requests,
+            # the runner (its lines unacked) and the router.
+            await doomed.kill()
             await runner.stop()
             router_task = fleet._tasks[0]
             router_task.cancel()
@@ -202,6 +206,9 @@ async def test_runner_and_router_killed_mid_batch(db_settings: Settings) -> None
             ids = [r["custom_id"] for r in out]
             assert len(ids) == n and set(ids) == {f"req-{i}" for i in range(n)}
             assert done.request_counts.completed == n and done.request_counts.failed == 0
+            # Every answer whole: a line cut on the killed worker was run again or migrated.
+            usage = [r["response"]["body"]["usage"]["completion_tokens"] for r in out]
+            assert usage == [8] * n
             # Each runner counts the lines it committed. A line whose commit was in flight when
             # the runner was killed can commit uncounted (the await is cancelled, the database
             # write is not): up to batch.max_inflight of them.
@@ -211,3 +218,7 @@ async def test_runner_and_router_killed_mid_batch(db_settings: Settings) -> None
 
 async def _answered(runner: BatchRunner, n: int) -> bool:
     return runner.answered >= n
+
+
+async def _running(backend: Any) -> bool:
+    return backend.load().running > 0

@@ -61,6 +61,8 @@ def test_interactive_before_batch_fcfs_within_class() -> None:
     s.add(seq("inter2", 8, first=200))
     assert run(s) == {"inter1": 8}
     assert run(s) == {"inter1": 1, "inter2": 7}
+    # inter2's last prompt token samples its first: batch work sits out until it has.
+    assert run(s) == {"inter1": 1, "inter2": 1}
     assert run(s) == {"inter1": 1, "inter2": 1, "batch1": 6}
 
 
@@ -111,6 +113,31 @@ def test_interactive_arrival_preempts_running_batch_work() -> None:
     got = run(s)
     assert "urgent" in got and "bulk" not in got
     assert bulk.status is SeqStatus.WAITING and bulk.num_preemptions == 1
+
+
+def test_batch_work_sits_out_the_steps_that_compute_an_interactive_prompt() -> None:
+    """An interactive prompt's steps carry no batch rows or chunks (its TTFT is the same as
+    without the batch); the batch keeps its blocks and goes on in the next step."""
+    s = make(
+        max_num_batched_tokens=128, prefill_chunk_tokens=128, itl_target_ms=40, min_prefill_tokens=4
+    )
+    s.cost = fitted(0.010, 0.001, 0.0005)
+    bulk = seq("bulk", 2, "batch", first=10)
+    s.add(seq("chat", 2))
+    s.add(bulk)
+    assert run(s) == {"chat": 2}
+    assert run(s) == {"chat": 1, "bulk": 2}
+    s.add(seq("next", 100, first=50))
+    # The allowance counts the rows that run: 40 ms - (10 + 1 row) ms = 58 tokens at 0.5 ms.
+    assert run(s) == {"chat": 1, "next": 58}
+    assert run(s) == {"chat": 1, "next": 42}
+    assert run(s) == {"chat": 1, "bulk": 1, "next": 1}
+    assert bulk.num_preemptions == 0 and s.num_preemptions == 0
+    # Off: the batch shares the prompt's step, interactive first.
+    off = make(batch_yields_to_prompts=False)
+    off.add(seq("chat", 2))
+    off.add(seq("bulk", 2, "batch", first=10))
+    assert run(off) == {"chat": 2, "bulk": 2}
 
 
 def fitted(a: float, b: float, c: float) -> StepCostModel:
