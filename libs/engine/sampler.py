@@ -114,11 +114,12 @@ class Sampler:
             self._apply_penalties(logits, rows)
 
         # [S] token ids, filled where the logits are; one copy back below.
-        out = torch.empty(len(rows), dtype=torch.long, device=dev)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):  # the common case: no row gather
             out = argmax(logits)
-        elif greedy:
+        else:
+            out = torch.empty(len(rows), dtype=torch.long, device=dev)
+        if greedy and len(greedy) < len(rows):
             idx = torch.tensor(greedy, device=dev)
             out.index_copy_(0, idx, argmax(logits.index_select(0, idx)))
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
