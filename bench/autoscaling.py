@@ -47,7 +47,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,7 @@ bucket_s = 1.0
 horizon_s = {horizon_s}
 target_utilization = {utilization}
 forecast_z = {forecast_z}
+budget_window_s = {budget_window_s}
 min_history_buckets = 3
 scale_up_cooldown_s = 1.0
 scale_down_cooldown_s = {down_cooldown_s}
@@ -179,7 +180,14 @@ def perfect_forecast_worker_s(
         r = rate(t)
         load = decide.Load(forecast_rps=r, arrival_rps=r, queue=0, busy=0, ttft_s=None, idle_s=0)
         wanted, driver = decide.need(load, cap, bounds, current, cfg)
-        current = decide.settle(wanted, driver, load, bounds, state, current, t, cfg).replicas
+        # The scale-down window's mean rate, as the planner reads it from its buckets.
+        k = max(int(cfg.scale_down_stable_s / cfg.interval_s), 1)
+        mean = sum(rate(max(t - i * cfg.interval_s, 0.0)) for i in range(k)) / k
+        window = replace(load, forecast_rps=mean, arrival_rps=mean)
+        down_need, _ = decide.need(window, cap, bounds, current, cfg)
+        current = decide.settle(
+            wanted, driver, load, bounds, state, current, t, cfg, down_need
+        ).replicas
         total += current * cfg.interval_s
         t += cfg.interval_s
     return total
@@ -318,6 +326,7 @@ def run_one(
             forecast_z=PlannerSettings().forecast_z if args.forecast_z is None else args.forecast_z,
             down_cooldown_s=args.down_cooldown_s,
             down_stable_s=args.down_stable_s,
+            budget_window_s=args.budget_window_s,
             max_replicas=peak_n,
             service_s=round(sizing.service_s, 3),
             workers=workers,
@@ -558,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         "--forecast-z", type=float, default=None, help="planner.forecast_z (default: the setting's)"
     )
     p.add_argument("--down-stable-s", type=float, default=10.0)
+    p.add_argument(
+        "--budget-window-s",
+        type=float,
+        default=40.0,
+        help="planner.budget_window_s (the default 600 s compressed 15x as the traces are)",
+    )
     p.add_argument("--down-cooldown-s", type=float, default=5.0)
     p.add_argument("--window-s", type=float, default=5.0, help="window of the peak rate")
     p.add_argument("--lead-s", type=float, default=4.0, help="seconds between ready and replay")

@@ -86,13 +86,28 @@ class PlannerSettings(Section):
     """The plan sizes for the forecast's peak plus this many standard deviations of the
     series' bucket-to-bucket noise. 0: the queue model (`horizon_s`) already carries the
     arrivals' scatter around the forecast; more is a margin for the forecast's own error."""
-    target_utilization: float = Field(default=1.0, gt=0, le=1)
-    """Most of a worker's capacity that the forecast may fill: the plan never has fewer workers
-    than the forecast over (worker capacity x this). The headroom above comes from the queue
-    model (the TTFT SLO at `slo_quantile`), not from this."""
+    target_utilization: float = Field(default=0.0, ge=0, le=1)
+    """A floor: the plan never has fewer workers than the forecast over (worker capacity x
+    this). 0 (the default): no floor; the queue model sizes the pool (`slo_quantile`, the error
+    budget), which may plan a pool briefly over capacity while the queue that builds stays
+    within the SLO (decision 0032)."""
     slo_quantile: float = Field(default=0.95, gt=0, lt=1)
-    """Quantile of TTFT and ITL compared with the pool's SLO: the share of requests the plan
-    keeps within it."""
+    """The share of requests the plan keeps within the pool's TTFT SLO (and the quantile of TTFT
+    and ITL compared with it). The pool is sized at this quantile of the predicted TTFT while
+    the error budget (1 - this) is being spent; see `budget_quantile_floor`."""
+    budget_quantile_floor: float = Field(default=0.3, gt=0, lt=1)
+    """The error budget: while the share of the pool's requests over the TTFT SLO in the last
+    `budget_window_s` is below `budget_spend` x (1 - `slo_quantile`), the pool is sized at a
+    lower quantile of the predicted TTFT, down to this one when no request missed. A pool of a
+    few whole workers sized at the SLO quantile at every decision misses far fewer requests than
+    the SLO allows; spending the budget is how it time-shares between n and n + 1 workers.
+    Equal to `slo_quantile` (or above): no budget spent, every decision at `slo_quantile`."""
+    budget_window_s: float = Field(default=600.0, gt=0)
+    """Seconds of finished requests the error budget is measured over."""
+    budget_spend: float = Field(default=0.5, gt=0, le=1)
+    """Share of the error budget the planner aims to spend: the decision quantile rises
+    linearly from `budget_quantile_floor` (no request over the SLO) to `slo_quantile` (this
+    share of the budget spent, or more)."""
     scale_up_cooldown_s: float = Field(default=5.0, ge=0)
     """Seconds after a change before the next scale-up."""
     scale_up_urgent_fraction: float = Field(default=0.5, ge=0)
@@ -102,7 +117,10 @@ class PlannerSettings(Section):
     scale_down_cooldown_s: float = Field(default=60.0, ge=0)
     """Seconds after a change before the next scale-down."""
     scale_down_stable_s: float = Field(default=60.0, ge=0)
-    """Seconds of decisions that must all have wanted fewer workers before a scale-down."""
+    """The scale-down window. "forecast" policy: a scale-down needs the mean arrival rate of
+    this window (with the queue and the running requests now) to fit fewer workers, and the
+    decision now to want fewer. "reactive" policy: every decision of this window must have
+    wanted fewer (an HPA's stabilization window)."""
     warm_standby: int = Field(default=0, ge=0)
     """Local actuator: workers of each pool role `strait up` keeps loaded but idle (no beats, no
     work: memory, not compute), activated first when the planner wants more workers, so a

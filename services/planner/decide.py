@@ -7,25 +7,34 @@ decision's ``driver``):
 - ``forecast``: the fewest workers whose predicted TTFT at ``slo_quantile`` stays within the
   TTFT SLO (``queueing.replicas_for_ttft``: the pool as one queue, the forecast's peak over the
   horizon arriving, the requests waiting now in front, over the horizon, the time more
-  capacity takes to come), and never fewer than fill the forecast to ``target_utilization``;
+  capacity takes to come), and never fewer than fill the forecast to ``target_utilization``
+  (0: no such floor, the default);
 - ``queue``: while requests wait, the same prediction at today's arrivals (the last bucket's
   rate, or the sliding last ``bucket_s``'s when higher: a step shows within a tick, not a
   bucket) (the reactive term: what no forecast saw coming);
 - ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
   now, whatever the arithmetic says (the capacity estimate is wrong).
 
+Requests running now hold no worker of their own: a scale-down drains, so they finish where
+they run, and what a new arrival waits for is the queue the model predicts. The quantile
+each term sizes at is the error budget's (``budget_quantile``): ``slo_quantile`` when the pool's
+recent requests spent the budget, lower (down to ``budget_quantile_floor``) while they did not,
+so a pool of a few whole workers time-shares between n and n + 1 instead of holding n + 1.
+
 ``need_reactive`` is the baseline that sizes on queue depth alone (KEDA's way).
 
 Then (``settle``): bounds (``min_bound`` / ``max_bound``); a pool allowed to reach zero
 (min 0) goes there after ``idle_to_zero_s`` without an arrival, and wakes with one worker at
 the first sign of demand; up is held for ``scale_up_cooldown_s`` after a change; down needs
-every decision of the last ``scale_down_stable_s`` to have wanted fewer, waits
+the decision now to want fewer and the mean load of the last ``scale_down_stable_s`` to fit
+fewer ("forecast" policy; "reactive": every decision of that window wanted fewer), waits
 ``scale_down_cooldown_s`` after a change, and removes at most ``max_scale_down_step`` workers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from libs.settings import PlannerSettings
@@ -42,7 +51,7 @@ class Load:
     forecast_rps: float  # peak over the horizon, margin included
     arrival_rps: float  # the last complete bucket
     queue: int  # requests waiting in the role's workers or held in routers (RouterBeat)
-    busy: int  # requests running in them (not in draining ones)
+    busy: int  # requests running in them (not in draining ones): reported, sizes nothing
     ttft_s: float | None  # at the SLO quantile; None before any finished request
     idle_s: float  # seconds since the pool's last arrival
     demand_while_zero: bool = False  # a request for the pool arrived while it had no worker
@@ -86,9 +95,15 @@ class Verdict:
 
 
 def need(
-    load: Load, cap: Capacity, bounds: Bounds, current: int, cfg: PlannerSettings
+    load: Load,
+    cap: Capacity,
+    bounds: Bounds,
+    current: int,
+    cfg: PlannerSettings,
+    quantile: float | None = None,
 ) -> tuple[int, str]:
-    """Workers the load needs now and what set it (before bounds and cooldowns)."""
+    """Workers the load needs now and what set it (before bounds and cooldowns). ``quantile``:
+    of the predicted TTFT kept within the SLO (``budget_quantile``; default ``slo_quantile``)."""
 
     def for_slo(rate: float) -> int:
         return replicas_for_ttft(
@@ -98,12 +113,15 @@ def need(
             cap.prefill_s,
             bounds.ttft_slo_s,
             cfg.horizon_s,
-            cfg.slo_quantile,
+            cfg.slo_quantile if quantile is None else quantile,
         )
 
-    filled = max(cap.worker_rps * cfg.target_utilization, 1e-9)
+    filled = cap.worker_rps * cfg.target_utilization
     terms = {
-        "forecast": max(for_slo(load.forecast_rps), math.ceil(load.forecast_rps / filled - 1e-9))
+        "forecast": max(
+            for_slo(load.forecast_rps),
+            math.ceil(load.forecast_rps / filled - 1e-9) if filled > 0 else 0,
+        )
         if load.forecast_rps > NO_LOAD_RPS
         else 0,
         "queue": for_slo(max(load.arrival_rps, load.recent_rps)) if load.queue > 0 else 0,
@@ -111,10 +129,22 @@ def need(
         if load.queue > 0 and load.ttft_s is not None and load.ttft_s > bounds.ttft_slo_s
         else 0,
     }
-    # Requests running now keep their workers busy whatever the forecast says.
-    terms["busy"] = math.ceil(load.busy / max(cap.concurrency, 1)) if load.busy else 0
     driver = max(terms, key=lambda k: terms[k])
     return terms[driver], driver if terms[driver] > 0 else "idle"
+
+
+def budget_quantile(ttfts: Sequence[float], ttft_slo_s: float, cfg: PlannerSettings) -> float:
+    """The quantile of the predicted TTFT a decision sizes at, from the client TTFTs of the
+    pool's requests finished in the last ``budget_window_s``: ``budget_quantile_floor`` while
+    none missed the SLO, rising linearly to ``slo_quantile`` as the misses reach
+    ``budget_spend`` of the error budget (1 - ``slo_quantile``); ``slo_quantile`` before
+    ``min_samples`` requests (no evidence, no budget)."""
+    floor = min(cfg.budget_quantile_floor, cfg.slo_quantile)
+    if len(ttfts) < cfg.min_samples or floor >= cfg.slo_quantile:
+        return cfg.slo_quantile
+    missed = sum(1 for t in ttfts if t > ttft_slo_s) / len(ttfts)
+    spent = min(missed / (cfg.budget_spend * (1.0 - cfg.slo_quantile)), 1.0)
+    return floor + (cfg.slo_quantile - floor) * spent
 
 
 def need_reactive(load: Load, queue_per_worker: int) -> tuple[int, str]:
@@ -134,8 +164,14 @@ def settle(
     current: int,
     now: float,
     cfg: PlannerSettings,
+    down_need: int | None = None,
 ) -> Verdict:
-    """Bounds, scale-to-zero, cooldowns; updates ``state`` and returns the decision."""
+    """Bounds, scale-to-zero, cooldowns; updates ``state`` and returns the decision.
+
+    ``down_need``: the workers the mean load of the last ``scale_down_stable_s`` needs (the
+    "forecast" policy's scale-down window: noise in one decision neither holds nor makes a
+    scale-down). None: the window is every decision of the last ``scale_down_stable_s``
+    wanting fewer (the "reactive" policy, an HPA's stabilization window)."""
     base = state.target if state.target is not None else current
     factors = [f"need={wanted}", f"base={base}"]
     if bounds.low == 0 and wanted == 0:
@@ -164,7 +200,12 @@ def settle(
     if wanted < base:
         if state.below_since is None:
             state.below_since = now
-        if now - state.below_since < cfg.scale_down_stable_s:
+        if down_need is not None:
+            factors.append(f"window_need={down_need}")
+            if down_need >= base:
+                return _hold(state, base, "hold_down_window", driver, factors)
+            wanted = max(wanted, down_need)
+        elif now - state.below_since < cfg.scale_down_stable_s:
             return _hold(state, base, "hold_down_unstable", driver, factors)
         if now - state.last_change < cfg.scale_down_cooldown_s:
             return _hold(state, base, "hold_down_cooldown", driver, factors)

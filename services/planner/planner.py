@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from libs.protocol import PlanDecision, PlanRole, RouteDecision, RouterBeat, UsageEvent, WorkerBeat
 from libs.settings import PoolSettings, Settings
@@ -180,6 +180,12 @@ class Planner:
         fc = forecast(self.cfg.forecast_method, series, steps, self.cfg.min_history_buckets)
         return max(fc) + self.cfg.forecast_z * noise_std(series) if series else 0.0
 
+    def window_rps(self, pool: str) -> float:
+        """Mean arrivals a second over the scale-down window (its complete buckets)."""
+        counts = self.pools[pool].counts
+        k = min(max(round(self.cfg.scale_down_stable_s / self.cfg.bucket_s), 1), len(counts))
+        return sum(list(counts)[-k:]) / (k * self.cfg.bucket_s) if k else 0.0
+
     def series(self, pool: str) -> list[float]:
         return [c / self.cfg.bucket_s for c in self.pools[pool].counts]
 
@@ -215,12 +221,28 @@ class Planner:
             demand_while_zero=view.demand_while_zero,
         )
         view.demand_while_zero = False
+        spent = [s.client_ttft_s for s in samples if now - s.ts <= self.cfg.budget_window_s]
+        q = decide.budget_quantile(spent, slo.ttft_slo_s, self.cfg)
+        down_need = None
         if self.cfg.policy == "reactive":
             wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)
         else:
-            wanted, driver = decide.need(load, cap, bounds, current, self.cfg)
+            wanted, driver = decide.need(load, cap, bounds, current, self.cfg, q)
+            # The scale-down window's mean load (noise in one decision neither holds nor
+            # makes a scale-down).
+            window = self.window_rps(pool.name)
+            down_need, _ = decide.need(
+                replace(load, forecast_rps=window, arrival_rps=window, recent_rps=0.0),
+                cap,
+                bounds,
+                current,
+                self.cfg,
+                q,
+            )
         state = self.states.setdefault((pool.name, role), decide.RoleState())
-        verdict = decide.settle(wanted, driver, load, bounds, state, current, now, self.cfg)
+        verdict = decide.settle(
+            wanted, driver, load, bounds, state, current, now, self.cfg, down_need
+        )
         return PlanDecision(
             pool=pool.name,
             role=role,
@@ -234,6 +256,8 @@ class Planner:
                 f"service_s={cap.service_s:.3f}",
                 f"prefill_s={cap.prefill_s:.3f}",
                 f"samples={len(samples)}",
+                f"quantile={q:.2f}",
+                f"running={load.busy}",
             ],
             arrival_rps=round(load.arrival_rps, 3),
             forecast_rps=round(load.forecast_rps, 3),

@@ -64,11 +64,14 @@ class Child:
     given_up: bool = False
 
     def start(self) -> None:
-        """Start the process. A standby starts with SIGUSR1 blocked (the mask survives exec):
-        an activation sent while it still imports and loads stays pending until the worker
-        arms its handler (services/worker/main.py ``arm_standby``), instead of ending the
-        process by the signal's default action."""
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}) if self.standby else None
+        """Start the process. A worker (and any standby) starts with SIGUSR1 and SIGUSR2
+        blocked (the mask survives exec): an activation or a park sent while it still imports
+        and loads stays pending until the worker arms its handlers (services/worker/main.py
+        ``arm_signals``), instead of ending the process by the signals' default action."""
+        blocked = {signal.SIGUSR1, signal.SIGUSR2}
+        old = (
+            signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if self.standby or self.role else None
+        )
         try:
             self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=False)
         finally:

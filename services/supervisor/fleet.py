@@ -163,10 +163,7 @@ class Fleet:
         for key in list(self.refill_at):
             if now < self.refill_at[key]:
                 continue
-            standbys = sum(
-                1 for c in self.children if (c.pool, c.role) == key and c.standby and not c.given_up
-            )
-            if standbys >= self.settings.planner.warm_standby:
+            if self.standbys(*key) >= self.settings.planner.warm_standby:
                 del self.refill_at[key]  # refilled: nothing owed until the next activation
                 continue
             spare = self.worker_child(*key, standby=True)
@@ -175,10 +172,29 @@ class Fleet:
             say(f"planner: started {spare.name} (pid {spare.proc.pid if spare.proc else '?'})")
             self.refill_at[key] = now + self.settings.planner.standby_refill_s
 
+    def standbys(self, pool: str, role: str) -> int:
+        return sum(
+            1
+            for c in self.children
+            if (c.pool, c.role) == (pool, role) and c.standby and not c.given_up
+        )
+
+    def park(self, c: Child) -> None:
+        """Send a serving worker back to warm standby (SIGUSR2: it drains as for SIGTERM, stops
+        beating and waits, loaded, for SIGUSR1): a scale-down that the next scale-up undoes
+        with a signal, not a start-up."""
+        assert c.proc is not None
+        c.proc.send_signal(signal.SIGUSR2)
+        c.standby = True
+        c.env["STRAIT_WORKER__STANDBY"] = "true"  # restarted after a crash: a standby again
+        c.name += " (standby)"
+
     def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
         """The local actuator's word (services/planner/actuators.py): start workers up to
-        ``replicas``, or drain the newest surplus ones (SIGTERM: no new work, running requests
-        finish or migrate, then the process exits and is not restarted)."""
+        ``replicas`` (warm standbys first), or drain the newest surplus ones: back to standby
+        while the pool role has fewer than ``planner.warm_standby`` (``park``), else for good
+        (SIGTERM: no new work, running requests finish or migrate, then the process exits and
+        is not restarted)."""
         if self.settings.pool(pool) is None:
             return
         live = self.workers(pool, role)
@@ -192,6 +208,14 @@ class Fleet:
             c.start()
             say(f"planner: started {c.name} (pid {c.proc.pid if c.proc else '?'}; {reason})")
         for c in live[replicas:][::-1] if len(live) > replicas else []:
+            if (
+                c.alive()
+                and c.proc is not None
+                and self.standbys(pool, role) < self.settings.planner.warm_standby
+            ):
+                self.park(c)
+                say(f"planner: parking {c.name} ({reason})")
+                continue
             c.retiring = True
             if c.alive() and c.proc is not None:
                 c.proc.send_signal(signal.SIGTERM)

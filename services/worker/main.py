@@ -9,7 +9,9 @@
 Connects to NATS, loads its backend (the real engine, or the FAKE one when the pool says
 ``backend = "fake"``; the disaggregated roles need the engine), then serves ``work.<worker_id>``,
 ``cancel.>``, ``resend.>`` and ``admin.teams`` and beats until SIGTERM or a ``DrainRequest`` on
-``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit.
+``admin.drain.<worker_id>`` (``strait drain``): both drain, then exit. Under `strait up`'s
+planner a worker may also start as a warm standby (SIGUSR1 activates it) and be parked back
+into one (SIGUSR2: drain, stop beating, wait for SIGUSR1).
 """
 
 from __future__ import annotations
@@ -110,43 +112,45 @@ async def run_worker(
 ) -> None:
     """Serve the worker's endpoints (plus the role's own ``subs`` and ``tasks``) and beat
     until SIGTERM; then drain running requests and close. Every role's serve ends here.
-    A standby worker (``worker.standby``) waits, loaded and connected, for SIGUSR1 first."""
-    if worker.settings.worker.standby and not await standby(ctx, worker):
-        for t in tasks:
-            t.cancel()
-        for s in subs:
-            await s.unsubscribe()
-        await nc.drain()
-        await worker.backend.stop()
-        return
-    ctx.serving(lambda: nc.is_connected and not worker.draining)
-
-    async def on_drain(d: DrainRequest, msg: Msg) -> AssignmentAck:
-        log.info("drain requested", extra=fields(worker_id=d.worker_id, reason=d.reason))
-        ctx.stopping.set()  # the SIGTERM path: drain, then exit (after this answer)
-        return AssignmentAck(accepted=True, reason="draining")
-
-    drain = Endpoint("worker.drain", DrainRequest, on_drain, logs(log, "bad drain request"))
-    endpoints = [*worker.endpoints(), (worker.subjects.drain(worker.worker_id), drain)]
-    subs += [await ep.subscribe(nc, subject) for subject, ep in endpoints]
-    # Beats go on while draining (they say so, and keep the router from moving requests that
-    # are finishing here); they stop once the drain is over.
-    beats_stop = asyncio.Event()
-    tasks.append(asyncio.create_task(worker.beat_loop(beats_stop)))
-    log.info(
-        "worker ready",
-        extra=fields(
-            worker_id=worker.worker_id,
-            role=worker.role,
-            pool=worker.pool,
-            model=worker.backend.model_name,
-        ),
-    )
+    A standby worker (``worker.standby``) waits, loaded and connected, for SIGUSR1 first.
+    SIGUSR2 parks a serving worker (the local actuator's scale-down while the pool role is
+    short of standbys): it drains as for SIGTERM, stops beating, and is a standby again, its
+    model loaded, until the next SIGUSR1."""
+    waiting, subscribed = worker.settings.worker.standby, False
     try:
-        await ctx.stopping.wait()
-        await worker.drain(worker.settings.worker.drain_timeout_s)
+        while True:
+            if waiting and not await standby(ctx, worker):
+                return
+            if not subscribed:
+                subs += await _subscribe(ctx, nc, worker)
+                subscribed = True
+            worker.draining = False
+            ctx.serving(lambda: nc.is_connected and not worker.draining)
+            # Beats go on while draining (they say so, and keep the router from moving
+            # requests that are finishing here); they stop once the drain is over.
+            beats_stop = asyncio.Event()
+            beats = asyncio.create_task(worker.beat_loop(beats_stop))
+            log.info(
+                "worker ready",
+                extra=fields(
+                    worker_id=worker.worker_id,
+                    role=worker.role,
+                    pool=worker.pool,
+                    model=worker.backend.model_name,
+                ),
+            )
+            try:
+                parked = await stopped_or_parked(ctx)
+                await worker.drain(worker.settings.worker.drain_timeout_s)
+            finally:
+                beats_stop.set()
+                await asyncio.gather(beats, return_exceptions=True)
+            if not parked:
+                return
+            # Parked: no beats, nothing routed here; a stray assignment is refused (draining).
+            log.info("worker parked", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
+            waiting = True
     finally:
-        beats_stop.set()
         for t in tasks:
             t.cancel()
         for s in subs:
@@ -156,26 +160,70 @@ async def run_worker(
         await worker.backend.stop()
 
 
-# Set by SIGUSR1 (``arm_standby``): a standby worker may be told to serve while it still loads.
+async def _subscribe(ctx: ServiceContext, nc: NATS, worker: Worker) -> list[Subscription]:
+    """The worker's endpoints and its ``admin.drain.<worker_id>`` (once: a parked worker keeps
+    them, refusing work while it is parked)."""
+
+    async def on_drain(d: DrainRequest, msg: Msg) -> AssignmentAck:
+        log.info("drain requested", extra=fields(worker_id=d.worker_id, reason=d.reason))
+        ctx.stopping.set()  # the SIGTERM path: drain, then exit (after this answer)
+        return AssignmentAck(accepted=True, reason="draining")
+
+    drain = Endpoint("worker.drain", DrainRequest, on_drain, logs(log, "bad drain request"))
+    endpoints = [*worker.endpoints(), (worker.subjects.drain(worker.worker_id), drain)]
+    return [await ep.subscribe(nc, subject) for subject, ep in endpoints]
+
+
+# Set by SIGUSR1 (``arm_signals``): a standby worker may be told to serve while it still loads.
 _ACTIVATED = threading.Event()
-# Seconds between a standby worker's looks at that flag.
+# Set by SIGUSR2: a serving worker is told to drain and go back to standby.
+_PARKED = threading.Event()
+# Seconds between a worker's looks at those flags.
 STANDBY_POLL_S = 0.05
 
 
-def arm_standby(settings: Settings) -> None:
-    """Before anything loads: a standby worker's SIGUSR1 only sets a flag (its default action
-    would end the process). `strait up` starts a standby with SIGUSR1 blocked, so one sent
-    before this point is pending, and is delivered here, once the handler is in place."""
-    if settings.worker.standby:
-        signal.signal(signal.SIGUSR1, lambda _sig, _frame: _ACTIVATED.set())
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+def _on_activate(_sig: int, _frame: object) -> None:
+    _ACTIVATED.set()
+
+
+def _on_park(_sig: int, _frame: object) -> None:
+    # Handlers run one at a time on the main thread: a SIGUSR1 after this one re-activates.
+    _ACTIVATED.clear()
+    _PARKED.set()
+
+
+def arm_signals(settings: Settings) -> None:
+    """Before anything loads: SIGUSR1 (activate) and SIGUSR2 (park) only set flags (their
+    default actions would end the process). `strait up` starts workers with both blocked, so
+    one sent before this point is pending, and is delivered here, once the handlers are in
+    place. Both pending: their order is lost (the kernel delivers by number), and serving
+    wins: a worker the supervisor counts as parked may serve (a worker too many, which the
+    planner sees and scales down), never the reverse (a worker short)."""
+    signal.signal(signal.SIGUSR1, _on_activate)
+    signal.signal(signal.SIGUSR2, _on_park)
+    pending = signal.sigpending()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+    if {signal.SIGUSR1, signal.SIGUSR2} <= pending:
+        _PARKED.clear()
+        _ACTIVATED.set()
+
+
+async def stopped_or_parked(ctx: ServiceContext) -> bool:
+    """Wait for SIGTERM (or a drain request: False) or SIGUSR2 (True)."""
+    while not _PARKED.is_set():
+        with contextlib.suppress(TimeoutError):  # the flag is set from a signal handler
+            await asyncio.wait_for(ctx.stopping.wait(), STANDBY_POLL_S)
+        if ctx.stopping.is_set():
+            return False
+    _PARKED.clear()
+    return True
 
 
 async def standby(ctx: ServiceContext, worker: Worker) -> bool:
     """Warm standby (docs/planner.md): the model is loaded and NATS connected, but the worker
-    neither beats nor subscribes to work, so nothing is routed to it. ``strait up``'s
-    supervisor sends SIGUSR1 when the planner wants one more worker; True once activated,
-    False when stopped first."""
+    neither beats nor takes work, so nothing is routed to it. ``strait up``'s supervisor
+    sends SIGUSR1 when the planner wants one more worker; True once activated, False when
+    stopped first."""
     log.info("worker on standby", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
     while not _ACTIVATED.is_set():
         with contextlib.suppress(TimeoutError):  # the flag is set from a signal handler
@@ -193,7 +241,7 @@ def main(settings: Settings | None = None, role: str | None = None) -> int:
     if role is not None:
         settings = settings.model_copy(deep=True)
         settings.worker.role = role  # type: ignore[assignment]
-    arm_standby(settings)
+    arm_signals(settings)
     if settings.worker.role == "prefill":
         name, run = "prefill", serve_prefill
     else:

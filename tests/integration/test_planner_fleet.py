@@ -158,6 +158,40 @@ def test_warm_standby_serves_within_a_beat_of_the_decision(tmp_path: Path, nats_
     assert first_beat["default-w1"] - first_up < STANDBY_BEAT_BOUND_S, (first_beat, first_up)
 
 
+def test_a_scale_down_parks_the_worker_and_the_next_wave_activates_it(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """With the pool role short of its standby (the replacement held back by a long refill
+    delay), the scale-down after the wave parks the activated worker (SIGUSR2: it drains and
+    waits, loaded) instead of ending it, while the tail's requests run on it; the next wave
+    activates it again with a signal and no process starts. Every request is whole."""
+    config = FLEET.replace(
+        "[planner]\n", "[planner]\nwarm_standby = 1\nstandby_refill_s = 600.0\n"
+    ).replace("max_replicas = 3", "max_replicas = 2")
+    with strait_up(tmp_path, nats_url, config) as (prefix, log):
+        asyncio.run(park_scenario(nats_url, prefix, log))
+    text = log.read_text()
+    assert "planner: parking aggregated default-w1" in text, text[-4000:]
+    assert text.count("activated aggregated default-w1 from warm standby") == 2, text[-4000:]
+    assert "default-w2" not in text, text[-4000:]  # no process started for either wave
+
+
+async def park_scenario(nats_url: str, prefix: str, log: Path) -> None:
+    async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
+        wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+        assert wave == [WAVE_TOKENS] * len(wave)
+        # The tail keeps requests running on the activated worker while the planner parks it.
+        tail = await send_wave(client, TAIL_RPS, TAIL_S, TAIL_TOKENS)
+        assert tail == [TAIL_TOKENS] * len(tail)
+        deadline = time.monotonic() + 30
+        while "planner: parking" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # its drain over: it beats no more
+        again = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+        assert again == [WAVE_TOKENS] * len(again)
+
+
 async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[str], set[str]]:
     import nats
 

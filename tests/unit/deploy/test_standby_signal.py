@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# The worker's start, slowed: imports, then arm_standby, then whether it was activated.
+# The worker's start, slowed: imports, then arm_signals, then whether it was activated/parked.
 SLOW_STANDBY = textwrap.dedent(
     """
     import time
@@ -28,9 +28,10 @@ SLOW_STANDBY = textwrap.dedent(
     from services.worker import main
     s = Settings()
     s.worker.standby = True
-    main.arm_standby(s)
+    main.arm_signals(s)
     time.sleep(0.2)
     print("activated" if main._ACTIVATED.is_set() else "waiting", flush=True)
+    print("parked" if main._PARKED.is_set() else "serving", flush=True)
     """
 )
 
@@ -50,6 +51,30 @@ def test_an_early_activation_waits_for_the_handler(standby: bool, tmp_path: Path
     child.proc.send_signal(signal.SIGUSR1)
     code = child.proc.wait(timeout=60)
     if standby:
-        assert code == 0 and out.read_text().strip() == "activated"
+        assert code == 0 and out.read_text().split() == ["activated", "serving"]
     else:  # what happened before: the default action ends the process
         assert code == -signal.SIGUSR1
+
+
+@pytest.mark.parametrize("activate_too", [False, True])
+def test_an_early_park_waits_for_the_handler(activate_too: bool, tmp_path: Path) -> None:
+    """A worker parked (SIGUSR2) while it still loads is parked once its handlers are armed,
+    not killed. Parked and activated while loading: it serves (the order of two pending
+    signals is lost; a worker too many is the safe side)."""
+    out = tmp_path / "out.txt"
+    argv = [
+        sys.executable,
+        "-c",
+        f"import sys; sys.stdout = open({str(out)!r}, 'w')\n" + SLOW_STANDBY,
+    ]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"}
+    parked = Child("w", argv, env, pool="p", role="aggregated")
+    parked.start()
+    assert parked.proc is not None
+    time.sleep(0.5)
+    parked.proc.send_signal(signal.SIGUSR2)
+    if activate_too:
+        parked.proc.send_signal(signal.SIGUSR1)
+    assert parked.proc.wait(timeout=60) == 0
+    want = ["activated", "serving"] if activate_too else ["waiting", "parked"]
+    assert out.read_text().split() == want

@@ -175,3 +175,47 @@ def test_activated_standbys_are_replaced_one_at_a_time_after_the_refill_delay(
             assert spares() == expected, now
         fleet.refill_standby(200.0)
         assert spares() == 3  # owed three, started three
+
+
+def test_scale_down_parks_workers_while_the_role_is_short_of_standbys(tmp_path: Path) -> None:
+    """A scale-down sends the surplus workers back to standby (SIGUSR2) while the pool role
+    holds fewer than planner.warm_standby, then drains the rest for good (SIGTERM); a scale-up
+    activates the parked ones (SIGUSR1) and starts no process."""
+    import signal
+
+    from libs.settings import PlannerSettings, PoolSettings
+
+    settings = Settings(
+        pools=[PoolSettings(name="p", model="fake-model", backend="fake", workers=4)],
+        planner=PlannerSettings(enabled=True, warm_standby=2, standby_refill_s=5.0),  # type: ignore[arg-type]
+    )
+    with mock.patch("subprocess.Popen") as popen, mock.patch("time.monotonic") as clock:
+        popen.return_value.poll.return_value = None  # every child alive
+        popen.return_value.pid = 1
+        clock.return_value = 0.0
+        fleet = Fleet(settings)
+        fleet.plan()
+        fleet.start_all()
+        standbys = [c for c in fleet.children if c.standby]
+        assert len(standbys) == 2
+        # Two standbys activated: four then six serve; the role owes two standbys.
+        fleet.scale("p", "aggregated", 6, "scale_up")
+        assert len(fleet.workers("p", "aggregated")) == 6 and fleet.standbys("p", "aggregated") == 0
+        started = popen.call_count
+        popen.return_value.send_signal.reset_mock()
+        # Down to three: two parked (the role's standbys again), the third drained for good.
+        fleet.scale("p", "aggregated", 3, "scale_down")
+        sent = [c.args[0] for c in popen.return_value.send_signal.call_args_list]
+        assert sorted(sent) == sorted([signal.SIGUSR2, signal.SIGUSR2, signal.SIGTERM])
+        assert fleet.standbys("p", "aggregated") == 2
+        assert len(fleet.workers("p", "aggregated")) == 3
+        parked = [c for c in fleet.children if c.standby]
+        assert all(c.env["STRAIT_WORKER__STANDBY"] == "true" for c in parked)
+        # Nothing owed: no replacement starts, and the next scale-up is two signals.
+        fleet.refill_standby(100.0)
+        assert popen.call_count == started
+        popen.return_value.send_signal.reset_mock()
+        fleet.scale("p", "aggregated", 5, "scale_up")
+        sent = [c.args[0] for c in popen.return_value.send_signal.call_args_list]
+        assert sent == [signal.SIGUSR1, signal.SIGUSR1] and popen.call_count == started
+        assert len(fleet.workers("p", "aggregated")) == 5

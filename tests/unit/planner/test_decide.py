@@ -40,8 +40,45 @@ def test_forecast_sizing_is_the_fewest_workers_within_the_ttft_slo() -> None:
     # The utilization floor: never fewer than fill the forecast to target_utilization.
     floor = cfg(horizon_s=2.0, target_utilization=0.8)
     assert need(load(forecast_rps=7.5), CAP, BOUNDS, 1, floor) == (5, "forecast")  # 7.5 / 1.6
-    # Over capacity at the forecast (8.5 > 4 x 2) is not planned, however short the window.
-    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, fast) == (5, "forecast")
+    # With no floor (the default) a pool may be planned over capacity at the forecast (8.5 > 4
+    # x 2) when the queue that builds over a short window keeps the TTFT within the SLO...
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, fast) == (4, "forecast")
+    # ...not over a long one, and not with the floor at 1.0.
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, slow) == (5, "forecast")
+    full = cfg(horizon_s=2.0, target_utilization=1.0)
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, full) == (5, "forecast")
+
+
+def test_a_lower_quantile_plans_fewer_workers() -> None:
+    # The error budget's quantile: at the median of the predicted TTFT, 8.5 req/s fit 3 workers
+    # of 2 for the 2 s window (a queue of ~5 builds: a wait of 0.8 s); at 0.95 they need 4, at
+    # 0.999, 5.
+    fast = cfg(horizon_s=2.0)
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, fast, quantile=0.5) == (3, "forecast")
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, fast, quantile=0.95) == (4, "forecast")
+    assert need(load(forecast_rps=8.5), CAP, BOUNDS, 1, fast, quantile=0.999) == (5, "forecast")
+    lo = need(load(forecast_rps=15.0), CAP, BOUNDS, 1, fast, quantile=0.3)[0]
+    hi = need(load(forecast_rps=15.0), CAP, BOUNDS, 1, fast, quantile=0.95)[0]
+    assert lo < hi
+
+
+def test_budget_quantile_spends_the_error_budget() -> None:
+    from services.planner.decide import budget_quantile
+
+    c = cfg(slo_quantile=0.95, budget_quantile_floor=0.3, budget_spend=0.5, min_samples=10)
+    # No evidence yet: the SLO's quantile.
+    assert budget_quantile([0.1] * 9, 2.0, c) == pytest.approx(0.95)
+    # Nothing missed: the floor.
+    assert budget_quantile([0.1] * 100, 2.0, c) == pytest.approx(0.3)
+    # Half of the spend target (1.25% of 2.5%): halfway.
+    ttfts = [0.1] * 79 + [2.5]
+    assert budget_quantile(ttfts, 2.0, c) == pytest.approx(0.3 + 0.65 * 0.5)
+    # The target spent (2.5% of requests over the SLO) or more: the SLO's quantile.
+    assert budget_quantile([0.1] * 39 + [3.0], 2.0, c) == pytest.approx(0.95)
+    assert budget_quantile([0.1] * 5 + [3.0] * 5, 2.0, c) == pytest.approx(0.95)
+    # A floor at (or over) the SLO's quantile: no budget spent.
+    off = cfg(slo_quantile=0.95, budget_quantile_floor=0.95, min_samples=10)
+    assert budget_quantile([0.1] * 100, 2.0, off) == pytest.approx(0.95)
 
 
 def test_a_queue_is_served_within_the_ttft_slo() -> None:
@@ -57,8 +94,10 @@ def test_ttft_over_slo_with_a_queue_adds_a_worker_whatever_the_arithmetic() -> N
     assert (wanted, driver) == (3, "ttft_slo")
 
 
-def test_running_requests_keep_their_workers() -> None:
-    assert need(load(busy=20), CAP, BOUNDS, 3, cfg()) == (3, "busy")
+def test_running_requests_do_not_hold_workers_they_would_drain_from() -> None:
+    # A scale-down drains: requests running on a drained worker finish there, and no arrival
+    # waits behind them. 20 running with nothing arriving need no worker of their own.
+    assert need(load(busy=20), CAP, BOUNDS, 3, cfg()) == (0, "idle")
 
 
 def test_bounds_clamp_and_say_so() -> None:
@@ -109,6 +148,29 @@ def test_scale_to_zero_only_when_allowed_and_idle_long_enough_then_wake() -> Non
     # A pool with min_replicas >= 1 never goes to zero, however idle.
     st = RoleState(target=1)
     assert settle(0, "idle", load(idle_s=1e6), BOUNDS, st, 1, 1e6, c).replicas == 1
+
+
+def test_scale_down_window_reads_the_windows_mean_load() -> None:
+    # "forecast" policy: the window's mean load (down_need) decides, not every decision of it.
+    st, c = RoleState(target=4, last_change=0.0), cfg()
+    # The mean load still needs 4: held, whatever the decision now says.
+    v = settle(1, "forecast", load(), BOUNDS, st, 4, 40.0, c, down_need=4)
+    assert (v.replicas, v.reason) == (4, "hold_down_window")
+    # It needs 2 and the decision now wants 1: down at once (no run of wanting fewer needed),
+    # one step, never below the window's need.
+    v = settle(1, "forecast", load(), BOUNDS, st, 4, 41.0, c, down_need=2)
+    assert (v.replicas, v.reason) == (3, "scale_down")
+    assert settle(1, "forecast", load(), BOUNDS, st, 3, 50.0, c, down_need=2).reason == (
+        "hold_down_cooldown"
+    )
+    v = settle(1, "forecast", load(), BOUNDS, st, 3, 72.0, c, down_need=2)
+    assert (v.replicas, v.reason) == (2, "scale_down")
+    st.last_change = 0.0
+    assert settle(1, "forecast", load(), BOUNDS, st, 2, 200.0, c, down_need=2).reason == (
+        "hold_down_window"
+    )
+    # The decision now wanting as many as the target holds, whatever the window says.
+    assert settle(2, "forecast", load(), BOUNDS, st, 2, 201.0, c, down_need=1).reason == ("steady")
 
 
 def test_first_decision_starts_from_what_runs() -> None:
@@ -291,7 +353,54 @@ def test_a_draining_workers_requests_keep_no_worker() -> None:
         )
         beat.draining = draining
         pl.on_beat(beat, 9.9)
-    # Eight running on the serving worker keep it; the eight finishing on the draining one
-    # would have asked for a second worker right after the scale-down that drained it.
+    # The eight finishing on the draining one would have asked for a second worker right
+    # after the scale-down that drained it (the bound keeps the serving one).
     (d,) = pl.plan(10.0)
-    assert (d.current, d.replicas, d.driver) == (1, 1, "busy")
+    assert (d.current, d.replicas, d.driver) == (1, 1, "min_bound")
+
+
+def test_the_planner_sizes_at_the_error_budgets_quantile() -> None:
+    from libs.protocol import UsageEvent, WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(
+        pools=[PoolSettings(name="p", model="m", backend="fake")],
+        planner=PlannerSettings(  # type: ignore[arg-type]
+            bucket_s=1.0, min_samples=10, budget_window_s=100.0, budget_quantile_floor=0.3
+        ),
+    )
+
+    def planned(ttft_s: float) -> str:
+        pl = Planner(s, "t", now=0.0)
+        beat = WorkerBeat(worker_id="w0", pool="p", role="aggregated", model="m", capacity=8)
+        pl.on_beat(beat, 9.9)
+        for i in range(40):  # 40 finished requests, each with this client TTFT
+            ev = UsageEvent(
+                request_id=f"r{i}", pool="p", worker_id="w0", completion_tokens=20,
+                ttft_s=ttft_s, total_s=ttft_s + 1.9, prompt_tokens=100,
+            )  # fmt: skip
+            pl.on_usage(ev, 9.9)
+        (d,) = pl.plan(10.0)
+        return next(f for f in d.factors if f.startswith("quantile="))
+
+    # Every request within the 2 s SLO: the budget is unspent, the decision at the floor.
+    assert planned(0.2) == "quantile=0.30"
+    # Every one over it: the budget is spent, the decision at the SLO's quantile.
+    assert planned(3.0) == "quantile=0.95"
+
+
+def test_the_scale_down_window_is_the_mean_of_its_buckets() -> None:
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(
+        pools=[PoolSettings(name="p", model="m", backend="fake")],
+        planner=PlannerSettings(bucket_s=1.0, scale_down_stable_s=4.0),  # type: ignore[arg-type]
+    )
+    pl = Planner(s, "t", now=0.0)
+    for sec, n in enumerate([9, 9, 1, 3, 5, 7]):  # buckets of 0..5 s; the window: the last 4
+        for _ in range(n):
+            pl._arrive("p", sec + 0.5)
+        pl._roll(sec + 1.0)
+    assert pl.window_rps("p") == pytest.approx((1 + 3 + 5 + 7) / 4)
