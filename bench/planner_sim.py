@@ -96,6 +96,7 @@ def simulate(
     itl_slo_s: float,
     activation_s: float,
     warm_s: float,
+    overhead_s: float = 0.0,
 ) -> SimResult:
     """Replay ``lead`` then ``items`` (shifted by ``warm_s``) through the pool model and the
     planner; the figures count ``items`` only."""
@@ -201,7 +202,7 @@ def simulate(
                     continue
                 job.tokens_left -= DT_S / step
                 if job.ttft is None:
-                    job.ttft = t + step - job.arrival
+                    job.ttft = t + step - job.arrival + overhead_s
                 if job.tokens_left <= 0:
                     job.done = t
                     finished.append((t, job.ttft))
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down-cooldown-s", type=float, default=5.0)
     p.add_argument("--activation-s", type=float, default=1.1, help="standby decision -> serving")
     p.add_argument("--warm-s", type=float, default=15.0)
+    p.add_argument(
+        "--overhead-s", type=float, default=0.0, help="added to every TTFT (client, router, NATS)"
+    )
     p.add_argument("--window-s", type=float, default=5.0)
     p.add_argument("--seeds", type=int, default=1, help="Poisson re-draws of each trace (0: file)")
     p.add_argument(
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     itl_slo_s=slo.itl_slo_s,
                     activation_s=args.activation_s,
                     warm_s=args.warm_s,
+                    overhead_s=args.overhead_s,
                 )
                 r.trace = name
                 print(

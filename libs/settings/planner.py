@@ -96,18 +96,20 @@ class PlannerSettings(Section):
     and ITL compared with it). The pool is sized at this quantile of the predicted TTFT while
     the error budget (1 - this) is being spent; see `budget_quantile_floor`."""
     budget_quantile_floor: float = Field(default=0.3, gt=0, lt=1)
-    """The error budget: while the share of the pool's requests over the TTFT SLO in the last
-    `budget_window_s` is below `budget_spend` x (1 - `slo_quantile`), the pool is sized at a
-    lower quantile of the predicted TTFT, down to this one when no request missed. A pool of a
-    few whole workers sized at the SLO quantile at every decision misses far fewer requests than
-    the SLO allows; spending the budget is how it time-shares between n and n + 1 workers.
-    Equal to `slo_quantile` (or above): no budget spent, every decision at `slo_quantile`."""
+    """The error budget (the share of requests the SLO lets miss, 1 - `slo_quantile`): while
+    the pool's requests of the last `budget_window_s` missed the TTFT SLO at less than
+    `budget_spend` of it, the pool is sized at this quantile of the predicted TTFT instead of
+    `slo_quantile`. A pool of a few whole workers sized at `slo_quantile` at every decision
+    misses far fewer requests than the SLO allows; spending the budget is how it time-shares
+    between n and n + 1 workers. A request held for `scale_up_urgent_fraction` of the SLO
+    sizes at `slo_quantile` whatever the budget. Equal to `slo_quantile` (or above): no budget
+    is spent (decision 0032)."""
     budget_window_s: float = Field(default=600.0, gt=0)
     """Seconds of finished requests the error budget is measured over."""
-    budget_spend: float = Field(default=0.5, gt=0, le=1)
-    """Share of the error budget the planner aims to spend: the decision quantile rises
-    linearly from `budget_quantile_floor` (no request over the SLO) to `slo_quantile` (this
-    share of the budget spent, or more)."""
+    budget_spend: float = Field(default=0.5, ge=0, lt=1)
+    """Share of the error budget spent freely: below it decisions size at
+    `budget_quantile_floor`; from it to the whole budget the quantile rises linearly to
+    `slo_quantile`."""
     scale_up_cooldown_s: float = Field(default=5.0, ge=0)
     """Seconds after a change before the next scale-up."""
     scale_up_urgent_fraction: float = Field(default=0.5, ge=0)
@@ -118,14 +120,15 @@ class PlannerSettings(Section):
     """Seconds after a change before the next scale-down."""
     scale_down_stable_s: float = Field(default=60.0, ge=0)
     """The scale-down window. "forecast" policy: a scale-down needs the mean arrival rate of
-    this window (with the queue and the running requests now) to fit fewer workers, and the
+    this window (with the queue now) to fit fewer workers, and the
     decision now to want fewer. "reactive" policy: every decision of this window must have
     wanted fewer (an HPA's stabilization window)."""
     warm_standby: int = Field(default=0, ge=0)
     """Local actuator: workers of each pool role `strait up` keeps loaded but idle (no beats, no
     work: memory, not compute), activated first when the planner wants more workers, so a
-    scale-up takes a signal instead of a start-up; each one used is replaced (after
-    `standby_refill_s`)."""
+    scale-up takes a signal instead of a start-up. A scale-down while the role holds fewer
+    parks the surplus worker back into standby (SIGUSR2: it drains, then waits loaded); a
+    standby used and not parked back is replaced (after `standby_refill_s`)."""
     standby_refill_s: float = Field(default=10.0, ge=0)
     """Local actuator: seconds after a standby's activation (or the last refill) before its
     replacement starts loading, one at a time per pool role, so replacements do not take the

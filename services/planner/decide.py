@@ -103,7 +103,11 @@ def need(
     quantile: float | None = None,
 ) -> tuple[int, str]:
     """Workers the load needs now and what set it (before bounds and cooldowns). ``quantile``:
-    of the predicted TTFT kept within the SLO (``budget_quantile``; default ``slo_quantile``)."""
+    of the predicted TTFT kept within the SLO (``budget_quantile``; default ``slo_quantile``).
+    A request held for ``scale_up_urgent_fraction`` of the SLO means the budget is being
+    spent now, faster than the window shows: then ``slo_quantile``, whatever ``quantile``."""
+    if urgent(load, bounds, cfg):
+        quantile = None
 
     def for_slo(rate: float) -> int:
         return replicas_for_ttft(
@@ -135,16 +139,27 @@ def need(
 
 def budget_quantile(ttfts: Sequence[float], ttft_slo_s: float, cfg: PlannerSettings) -> float:
     """The quantile of the predicted TTFT a decision sizes at, from the client TTFTs of the
-    pool's requests finished in the last ``budget_window_s``: ``budget_quantile_floor`` while
-    none missed the SLO, rising linearly to ``slo_quantile`` as the misses reach
-    ``budget_spend`` of the error budget (1 - ``slo_quantile``); ``slo_quantile`` before
-    ``min_samples`` requests (no evidence, no budget)."""
+    pool's requests finished in the last ``budget_window_s``: the error budget is the share of
+    requests the SLO lets miss (1 - ``slo_quantile``). Until ``budget_spend`` of it is spent,
+    ``budget_quantile_floor``; from there to the whole budget, rising linearly to
+    ``slo_quantile``; the budget spent, or fewer than ``min_samples`` requests (no evidence),
+    ``slo_quantile``."""
     floor = min(cfg.budget_quantile_floor, cfg.slo_quantile)
     if len(ttfts) < cfg.min_samples or floor >= cfg.slo_quantile:
         return cfg.slo_quantile
     missed = sum(1 for t in ttfts if t > ttft_slo_s) / len(ttfts)
-    spent = min(missed / (cfg.budget_spend * (1.0 - cfg.slo_quantile)), 1.0)
-    return floor + (cfg.slo_quantile - floor) * spent
+    spent = missed / (1.0 - cfg.slo_quantile)  # of the budget
+    tighten = min(max((spent - cfg.budget_spend) / (1.0 - cfg.budget_spend), 0.0), 1.0)
+    return floor + (cfg.slo_quantile - floor) * tighten
+
+
+def urgent(load: Load, bounds: Bounds, cfg: PlannerSettings) -> bool:
+    """A request held in a router has waited ``scale_up_urgent_fraction`` of the TTFT SLO: it
+    misses the SLO unless capacity comes now."""
+    return (
+        cfg.scale_up_urgent_fraction > 0
+        and load.oldest_wait_s >= cfg.scale_up_urgent_fraction * bounds.ttft_slo_s
+    )
 
 
 def need_reactive(load: Load, queue_per_worker: int) -> tuple[int, str]:
@@ -188,13 +203,10 @@ def settle(
 
     if wanted > base:
         state.below_since = None
-        urgent = (
-            cfg.scale_up_urgent_fraction > 0
-            and load.oldest_wait_s >= cfg.scale_up_urgent_fraction * bounds.ttft_slo_s
-        )
-        if urgent:
+        hurry = urgent(load, bounds, cfg)
+        if hurry:
             factors.append(f"oldest_wait={load.oldest_wait_s:.2f}")
-        if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s and not urgent:
+        if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s and not hurry:
             return _hold(state, base, "hold_up_cooldown", driver, factors)
         return _change(state, wanted, now, "wake" if base == 0 else "scale_up", driver, factors)
     if wanted < base:

@@ -68,17 +68,29 @@ def test_budget_quantile_spends_the_error_budget() -> None:
     c = cfg(slo_quantile=0.95, budget_quantile_floor=0.3, budget_spend=0.5, min_samples=10)
     # No evidence yet: the SLO's quantile.
     assert budget_quantile([0.1] * 9, 2.0, c) == pytest.approx(0.95)
-    # Nothing missed: the floor.
+    # Nothing missed, or less than half the budget (1.25% < 2.5% of requests): the floor.
     assert budget_quantile([0.1] * 100, 2.0, c) == pytest.approx(0.3)
-    # Half of the spend target (1.25% of 2.5%): halfway.
-    ttfts = [0.1] * 79 + [2.5]
-    assert budget_quantile(ttfts, 2.0, c) == pytest.approx(0.3 + 0.65 * 0.5)
-    # The target spent (2.5% of requests over the SLO) or more: the SLO's quantile.
-    assert budget_quantile([0.1] * 39 + [3.0], 2.0, c) == pytest.approx(0.95)
+    assert budget_quantile([0.1] * 79 + [2.5], 2.0, c) == pytest.approx(0.3)
+    # Three quarters of the budget (3.75%): halfway from the floor to the SLO's quantile.
+    assert budget_quantile([0.1] * 77 + [2.5] * 3, 2.0, c) == pytest.approx(0.3 + 0.65 * 0.5)
+    # The whole budget (5%) or more: the SLO's quantile.
+    assert budget_quantile([0.1] * 19 + [3.0], 2.0, c) == pytest.approx(0.95)
     assert budget_quantile([0.1] * 5 + [3.0] * 5, 2.0, c) == pytest.approx(0.95)
     # A floor at (or over) the SLO's quantile: no budget spent.
     off = cfg(slo_quantile=0.95, budget_quantile_floor=0.95, min_samples=10)
     assert budget_quantile([0.1] * 100, 2.0, off) == pytest.approx(0.95)
+
+
+def test_a_request_held_long_sizes_at_the_slo_quantile_whatever_the_budget() -> None:
+    # 16 waiting, 15 req/s on workers of 2: at the budget's floor the queue term takes fewer
+    # workers than at the SLO's quantile; once the oldest held request has waited half the SLO
+    # (scale_up_urgent_fraction 0.5 x 2 s) the budget is being spent now: the SLO's quantile.
+    fast = cfg(horizon_s=2.0)
+    calm = load(arrival_rps=15.0, queue=16, oldest_wait_s=0.2)
+    held = load(arrival_rps=15.0, queue=16, oldest_wait_s=1.0)
+    full = need(calm, CAP, BOUNDS, 1, fast)[0]
+    assert need(calm, CAP, BOUNDS, 1, fast, quantile=0.3)[0] < full
+    assert need(held, CAP, BOUNDS, 1, fast, quantile=0.3)[0] == full
 
 
 def test_a_queue_is_served_within_the_ttft_slo() -> None:
