@@ -159,8 +159,13 @@ def simulate(
                 idle_s=t - last_arrival,
                 oldest_wait_s=t - queue[0].arrival if queue else 0.0,
             )
-            q = decide.budget_quantile(
-                [f[1] for f in finished if f[0] >= t - cfg.budget_window_s], ttft_slo_s, cfg
+            q = decide.decision_quantile(
+                load,
+                bounds,
+                cfg,
+                decide.budget_quantile(
+                    [f[1] for f in finished if f[0] >= t - cfg.budget_window_s], ttft_slo_s, cfg
+                ),
             )
             down_need = None
             if cfg.policy == "reactive":

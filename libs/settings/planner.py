@@ -104,6 +104,10 @@ class PlannerSettings(Section):
     between n and n + 1 workers. A request held for `scale_up_urgent_fraction` of the SLO
     sizes at `slo_quantile` whatever the budget. Equal to `slo_quantile` (or above): no budget
     is spent (decision 0032)."""
+    step_z: float = Field(default=3.0, gt=0)
+    """The arrivals of the last `bucket_s` are a step the forecast did not see when they exceed
+    it by this many of their Poisson standard deviations; a step sizes at `slo_quantile`
+    (the error budget is for the load the forecast knows)."""
     budget_window_s: float = Field(default=600.0, gt=0)
     """Seconds of finished requests the error budget is measured over."""
     budget_spend: float = Field(default=0.5, ge=0, lt=1)

@@ -103,11 +103,8 @@ def need(
     quantile: float | None = None,
 ) -> tuple[int, str]:
     """Workers the load needs now and what set it (before bounds and cooldowns). ``quantile``:
-    of the predicted TTFT kept within the SLO (``budget_quantile``; default ``slo_quantile``).
-    A request held for ``scale_up_urgent_fraction`` of the SLO means the budget is being
-    spent now, faster than the window shows: then ``slo_quantile``, whatever ``quantile``."""
-    if urgent(load, bounds, cfg):
-        quantile = None
+    of the predicted TTFT kept within the SLO (``decision_quantile``; default
+    ``slo_quantile``)."""
 
     def for_slo(rate: float) -> int:
         return replicas_for_ttft(
@@ -153,6 +150,14 @@ def budget_quantile(ttfts: Sequence[float], ttft_slo_s: float, cfg: PlannerSetti
     return floor + (cfg.slo_quantile - floor) * tighten
 
 
+def decision_quantile(load: Load, bounds: Bounds, cfg: PlannerSettings, budget: float) -> float:
+    """The quantile a decision sizes at: the error budget's (``budget_quantile``), except that
+    the budget is for the load the forecast knows: a step it did not see (``stepped``) or a
+    request held for ``scale_up_urgent_fraction`` of the SLO (the budget spent now, faster than
+    finished requests show it) sizes at ``slo_quantile``."""
+    return cfg.slo_quantile if urgent(load, bounds, cfg) or stepped(load, cfg) else budget
+
+
 def urgent(load: Load, bounds: Bounds, cfg: PlannerSettings) -> bool:
     """A request held in a router has waited ``scale_up_urgent_fraction`` of the TTFT SLO: it
     misses the SLO unless capacity comes now."""
@@ -160,6 +165,15 @@ def urgent(load: Load, bounds: Bounds, cfg: PlannerSettings) -> bool:
         cfg.scale_up_urgent_fraction > 0
         and load.oldest_wait_s >= cfg.scale_up_urgent_fraction * bounds.ttft_slo_s
     )
+
+
+def stepped(load: Load, cfg: PlannerSettings) -> bool:
+    """The arrivals of the last ``bucket_s`` are improbable under the forecast: over it by more
+    than ``step_z`` of their Poisson standard deviation (a burst's first second, not a noisy
+    one)."""
+    expected = max(load.forecast_rps, 1.0 / cfg.bucket_s)
+    sd = math.sqrt(expected / cfg.bucket_s)
+    return max(load.arrival_rps, load.recent_rps) > load.forecast_rps + cfg.step_z * sd
 
 
 def need_reactive(load: Load, queue_per_worker: int) -> tuple[int, str]:
@@ -212,6 +226,9 @@ def settle(
     if wanted < base:
         if state.below_since is None:
             state.below_since = now
+        if load.queue > 0 and down_need is not None:
+            # Requests wait: no capacity leaves while they do.
+            return _hold(state, base, "hold_down_queue", driver, factors)
         if down_need is not None:
             factors.append(f"window_need={down_need}")
             if down_need >= base:

@@ -222,7 +222,9 @@ class Planner:
         )
         view.demand_while_zero = False
         spent = [s.client_ttft_s for s in samples if now - s.ts <= self.cfg.budget_window_s]
-        q = decide.budget_quantile(spent, slo.ttft_slo_s, self.cfg)
+        q = decide.decision_quantile(
+            load, bounds, self.cfg, decide.budget_quantile(spent, slo.ttft_slo_s, self.cfg)
+        )
         down_need = None
         if self.cfg.policy == "reactive":
             wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)

@@ -85,12 +85,26 @@ def test_a_request_held_long_sizes_at_the_slo_quantile_whatever_the_budget() -> 
     # 16 waiting, 15 req/s on workers of 2: at the budget's floor the queue term takes fewer
     # workers than at the SLO's quantile; once the oldest held request has waited half the SLO
     # (scale_up_urgent_fraction 0.5 x 2 s) the budget is being spent now: the SLO's quantile.
-    fast = cfg(horizon_s=2.0)
-    calm = load(arrival_rps=15.0, queue=16, oldest_wait_s=0.2)
-    held = load(arrival_rps=15.0, queue=16, oldest_wait_s=1.0)
+    from services.planner.decide import decision_quantile
+
+    fast = cfg(horizon_s=2.0, bucket_s=1.0)
+    calm = load(arrival_rps=15.0, forecast_rps=15.0, queue=16, oldest_wait_s=0.2)
+    held = load(arrival_rps=15.0, forecast_rps=15.0, queue=16, oldest_wait_s=1.0)
+    assert decision_quantile(calm, BOUNDS, fast, 0.3) == pytest.approx(0.3)
+    assert decision_quantile(held, BOUNDS, fast, 0.3) == pytest.approx(0.95)
     full = need(calm, CAP, BOUNDS, 1, fast)[0]
     assert need(calm, CAP, BOUNDS, 1, fast, quantile=0.3)[0] < full
-    assert need(held, CAP, BOUNDS, 1, fast, quantile=0.3)[0] == full
+
+
+def test_a_step_the_forecast_did_not_see_sizes_at_the_slo_quantile() -> None:
+    from services.planner.decide import decision_quantile
+
+    c = cfg(bucket_s=1.0, step_z=3.0)
+    # 6 req/s forecast: a second of 9 is noise (1.2 sd); a second of 15 (3.7 sd) is a step.
+    assert decision_quantile(load(forecast_rps=6.0, recent_rps=9.0), BOUNDS, c, 0.3) == 0.3
+    assert decision_quantile(load(forecast_rps=6.0, recent_rps=15.0), BOUNDS, c, 0.3) == 0.95
+    # 1.5 req/s before a burst: 15 arrivals in its first second.
+    assert decision_quantile(load(forecast_rps=1.5, arrival_rps=15.0), BOUNDS, c, 0.3) == 0.95
 
 
 def test_a_queue_is_served_within_the_ttft_slo() -> None:
@@ -183,6 +197,14 @@ def test_scale_down_window_reads_the_windows_mean_load() -> None:
     )
     # The decision now wanting as many as the target holds, whatever the window says.
     assert settle(2, "forecast", load(), BOUNDS, st, 2, 201.0, c, down_need=1).reason == ("steady")
+
+
+def test_no_scale_down_while_requests_wait() -> None:
+    st, c = RoleState(target=3, last_change=0.0), cfg()
+    v = settle(1, "forecast", load(queue=14), BOUNDS, st, 3, 100.0, c, down_need=1)
+    assert (v.replicas, v.reason) == (3, "hold_down_queue")
+    v = settle(1, "forecast", load(queue=0), BOUNDS, st, 3, 101.0, c, down_need=1)
+    assert (v.replicas, v.reason) == (2, "scale_down")
 
 
 def test_first_decision_starts_from_what_runs() -> None:
