@@ -46,8 +46,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,6 @@ from libs.client import StraitClient
 from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import FakeEngineSettings, NatsSettings, PlannerSettings, PoolPlanSettings
-from services.planner import decide
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIR = ROOT / "bench" / "traces"
@@ -160,37 +158,6 @@ def oracle_worker_s(
     without giving up the SLO."""
     series = traces.rate_series(items, window_s, items[-1].t)
     return sum(sizing.workers_for(r, util) for r in series) * window_s
-
-
-def perfect_forecast_worker_s(
-    rate: Callable[[float], float],
-    end_s: float,
-    sizing: Sizing,
-    prefill_s: float,
-    cfg: PlannerSettings,
-    bounds: decide.Bounds,
-) -> float:
-    """Worker-seconds of the planner's own rules fed the trace's true rate (its rate function:
-    no forecast error, no queue) every ``cfg.interval_s``, through the same bounds, cooldowns
-    and stable window as the scaling modes: what its sizing costs with a perfect forecast,
-    its scale-down rules included."""
-    cap = decide.Capacity(sizing.worker_rps, 0, sizing.service_s, "measured", prefill_s)
-    state, current, total, t = decide.RoleState(), bounds.low, 0.0, 0.0
-    while t < end_s:
-        r = rate(t)
-        load = decide.Load(forecast_rps=r, arrival_rps=r, queue=0, busy=0, ttft_s=None, idle_s=0)
-        wanted, driver = decide.need(load, cap, bounds, current, cfg)
-        # The scale-down window's mean rate, as the planner reads it from its buckets.
-        k = max(int(cfg.scale_down_stable_s / cfg.interval_s), 1)
-        mean = sum(rate(max(t - i * cfg.interval_s, 0.0)) for i in range(k)) / k
-        window = replace(load, forecast_rps=mean, arrival_rps=mean)
-        down_need, _ = decide.need(window, cap, bounds, current, cfg)
-        current = decide.settle(
-            wanted, driver, load, bounds, state, current, t, cfg, down_need
-        ).replicas
-        total += current * cfg.interval_s
-        t += cfg.interval_s
-    return total
 
 
 def peak_and_mean(items: list[traces.Arrival], window_s: float) -> tuple[float, float]:
@@ -645,34 +612,13 @@ def main(argv: list[str] | None = None) -> int:
             "mean_workers": mean_n,
             "first_workers": first_n,
             "oracle_worker_s": oracle_worker_s(items, sizing, FLEET_UTILIZATION, args.window_s),
-            "perfect_forecast_worker_s": None
-            if args.real
-            else perfect_forecast_worker_s(
-                lambda t, k=info["compress"], x=info["scale"], f=traces.TRACES[trace].rate: (
-                    f(t * k) * x
-                ),
-                items[-1].t,
-                sizing,
-                prefill_s=sum(a.prompt_tokens for a in items)
-                / len(items)
-                * cost.per_prompt_token_s,
-                cfg=PlannerSettings(
-                    interval_s=0.5,
-                    horizon_s=args.horizon_s,
-                    scale_up_cooldown_s=1.0,
-                    scale_down_stable_s=args.down_stable_s,
-                    scale_down_cooldown_s=args.down_cooldown_s,
-                ),
-                bounds=decide.Bounds(1, peak_n, slo.ttft_slo_s),
-            ),
             **asdict(sizing),
         }
         print(
             f"## {trace}: {len(items)} requests over {items[-1].t:.0f} s, peak {peak:.1f} req/s, "
             f"mean {mean:.1f} req/s; a worker serves {sizing.worker_rps:.2f} req/s at "
-            f"{args.slots} rows -> peak fleet {peak_n}, mean fleet {mean_n}; the planner's rules "
-            f"with a perfect forecast: {meta[trace]['perfect_forecast_worker_s'] or 0:.0f} "
-            f"worker-s (the peak fleet's: {peak_n * items[-1].t:.0f})",
+            f"{args.slots} rows -> peak fleet {peak_n}, mean fleet {mean_n}; the peak fleet's "
+            f"worker-s: {peak_n * items[-1].t:.0f}",
             flush=True,
         )
         runs = []

@@ -164,7 +164,8 @@ def simulate(
                 bounds,
                 cfg,
                 decide.budget_quantile(
-                    [f[1] for f in finished if f[0] >= t - cfg.budget_window_s], ttft_slo_s, cfg
+                    [f[1] > ttft_slo_s for f in finished if f[0] >= t - cfg.budget_window_s],
+                    cfg,
                 ),
             )
             down_need = None

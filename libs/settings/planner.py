@@ -74,7 +74,8 @@ class PlannerSettings(Section):
     """"holt" (damped-trend exponential smoothing), "arima", "ewma", "last"; docs/planner.md
     has each one's measured error on the shipped traces (bench/planner_forecast.py)."""
     policy: Literal["forecast", "reactive"] = "forecast"
-    """"forecast": the rules of docs/planner.md (forecast, queue, TTFT and busy terms).
+    """"forecast": the rules of docs/planner.md (forecast, queue and TTFT terms, the error
+    budget).
     "reactive": a baseline that sizes on queue depth alone, as KEDA's lag trigger does:
     ceil(requests waiting in the role's workers / reactive_queue_per_worker) (the manifests'
     lagThreshold), same bounds and cooldowns; bench/autoscaling.py compares the two."""

@@ -134,18 +134,18 @@ def need(
     return terms[driver], driver if terms[driver] > 0 else "idle"
 
 
-def budget_quantile(ttfts: Sequence[float], ttft_slo_s: float, cfg: PlannerSettings) -> float:
-    """The quantile of the predicted TTFT a decision sizes at, from the client TTFTs of the
-    pool's requests finished in the last ``budget_window_s``: the error budget is the share of
-    requests the SLO lets miss (1 - ``slo_quantile``). Until ``budget_spend`` of it is spent,
-    ``budget_quantile_floor``; from there to the whole budget, rising linearly to
+def budget_quantile(missed: Sequence[bool], cfg: PlannerSettings) -> float:
+    """The quantile of the predicted TTFT a decision sizes at, from whether each of the pool's
+    requests finished in the last ``budget_window_s`` missed its SLO (client TTFT over
+    ``ttft_slo_s`` or mean ITL over ``itl_slo_s``: the SLO is both). The error budget is the
+    share of requests the SLO lets miss (1 - ``slo_quantile``). Until ``budget_spend`` of it
+    is spent, ``budget_quantile_floor``; from there to the whole budget, rising linearly to
     ``slo_quantile``; the budget spent, or fewer than ``min_samples`` requests (no evidence),
     ``slo_quantile``."""
     floor = min(cfg.budget_quantile_floor, cfg.slo_quantile)
-    if len(ttfts) < cfg.min_samples or floor >= cfg.slo_quantile:
+    if len(missed) < cfg.min_samples or floor >= cfg.slo_quantile:
         return cfg.slo_quantile
-    missed = sum(1 for t in ttfts if t > ttft_slo_s) / len(ttfts)
-    spent = missed / (1.0 - cfg.slo_quantile)  # of the budget
+    spent = sum(missed) / len(missed) / (1.0 - cfg.slo_quantile)  # of the budget
     tighten = min(max((spent - cfg.budget_spend) / (1.0 - cfg.budget_spend), 0.0), 1.0)
     return floor + (cfg.slo_quantile - floor) * tighten
 

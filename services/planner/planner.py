@@ -221,9 +221,13 @@ class Planner:
             demand_while_zero=view.demand_while_zero,
         )
         view.demand_while_zero = False
-        spent = [s.client_ttft_s for s in samples if now - s.ts <= self.cfg.budget_window_s]
+        missed = [
+            s.client_ttft_s > slo.ttft_slo_s or (s.itl_s is not None and s.itl_s > slo.itl_slo_s)
+            for s in samples
+            if now - s.ts <= self.cfg.budget_window_s
+        ]
         q = decide.decision_quantile(
-            load, bounds, self.cfg, decide.budget_quantile(spent, slo.ttft_slo_s, self.cfg)
+            load, bounds, self.cfg, decide.budget_quantile(missed, self.cfg)
         )
         down_need = None
         if self.cfg.policy == "reactive":

@@ -66,19 +66,23 @@ def test_budget_quantile_spends_the_error_budget() -> None:
     from services.planner.decide import budget_quantile
 
     c = cfg(slo_quantile=0.95, budget_quantile_floor=0.3, budget_spend=0.5, min_samples=10)
+
+    def missing(n: int, of: int) -> list[bool]:
+        return [True] * n + [False] * (of - n)
+
     # No evidence yet: the SLO's quantile.
-    assert budget_quantile([0.1] * 9, 2.0, c) == pytest.approx(0.95)
+    assert budget_quantile(missing(0, 9), c) == pytest.approx(0.95)
     # Nothing missed, or less than half the budget (1.25% < 2.5% of requests): the floor.
-    assert budget_quantile([0.1] * 100, 2.0, c) == pytest.approx(0.3)
-    assert budget_quantile([0.1] * 79 + [2.5], 2.0, c) == pytest.approx(0.3)
+    assert budget_quantile(missing(0, 100), c) == pytest.approx(0.3)
+    assert budget_quantile(missing(1, 80), c) == pytest.approx(0.3)
     # Three quarters of the budget (3.75%): halfway from the floor to the SLO's quantile.
-    assert budget_quantile([0.1] * 77 + [2.5] * 3, 2.0, c) == pytest.approx(0.3 + 0.65 * 0.5)
+    assert budget_quantile(missing(3, 80), c) == pytest.approx(0.3 + 0.65 * 0.5)
     # The whole budget (5%) or more: the SLO's quantile.
-    assert budget_quantile([0.1] * 19 + [3.0], 2.0, c) == pytest.approx(0.95)
-    assert budget_quantile([0.1] * 5 + [3.0] * 5, 2.0, c) == pytest.approx(0.95)
+    assert budget_quantile(missing(1, 20), c) == pytest.approx(0.95)
+    assert budget_quantile(missing(5, 10), c) == pytest.approx(0.95)
     # A floor at (or over) the SLO's quantile: no budget spent.
     off = cfg(slo_quantile=0.95, budget_quantile_floor=0.95, min_samples=10)
-    assert budget_quantile([0.1] * 100, 2.0, off) == pytest.approx(0.95)
+    assert budget_quantile(missing(0, 100), off) == pytest.approx(0.95)
 
 
 def test_a_request_held_long_sizes_at_the_slo_quantile_whatever_the_budget() -> None:
@@ -405,14 +409,14 @@ def test_the_planner_sizes_at_the_error_budgets_quantile() -> None:
         ),
     )
 
-    def planned(ttft_s: float) -> str:
+    def planned(ttft_s: float, decode_s: float = 1.9) -> str:
         pl = Planner(s, "t", now=0.0)
         beat = WorkerBeat(worker_id="w0", pool="p", role="aggregated", model="m", capacity=8)
         pl.on_beat(beat, 9.9)
-        for i in range(40):  # 40 finished requests, each with this client TTFT
+        for i in range(40):  # 40 finished requests of 20 tokens: this TTFT, this decode time
             ev = UsageEvent(
                 request_id=f"r{i}", pool="p", worker_id="w0", completion_tokens=20,
-                ttft_s=ttft_s, total_s=ttft_s + 1.9, prompt_tokens=100,
+                ttft_s=ttft_s, total_s=ttft_s + decode_s, prompt_tokens=100,
             )  # fmt: skip
             pl.on_usage(ev, 9.9)
         (d,) = pl.plan(10.0)
@@ -422,6 +426,8 @@ def test_the_planner_sizes_at_the_error_budgets_quantile() -> None:
     assert planned(0.2) == "quantile=0.30"
     # Every one over it: the budget is spent, the decision at the SLO's quantile.
     assert planned(3.0) == "quantile=0.95"
+    # Within the TTFT SLO but over the ITL SLO (0.1 s: 19 gaps in 3.8 s is 0.2 s): spent too.
+    assert planned(0.2, decode_s=3.8) == "quantile=0.95"
 
 
 def test_the_scale_down_window_is_the_mean_of_its_buckets() -> None:
