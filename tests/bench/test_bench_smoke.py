@@ -82,6 +82,11 @@ RUNS = [
         (r"\| steady \| holt \| \d+ \| [\d.]+",),
     ),
     Run(
+        "planner_sim",
+        "--traces burst --policies reactive,forecast --drivers",
+        (r"^burst +reactive +0 +[\d.]+% ", r"^burst +forecast +0 +[\d.]+% ", r"^    \{"),
+    ),
+    Run(
         "traces",
         "steady --duration 5 --out {tmp}/steady.jsonl",
         (),
