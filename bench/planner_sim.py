@@ -26,7 +26,7 @@ import json
 import math
 import tomllib
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from bench import traces
 from bench.autoscaling import (
@@ -159,36 +159,24 @@ def simulate(
                 idle_s=t - last_arrival,
                 oldest_wait_s=t - queue[0].arrival if queue else 0.0,
             )
-            q = decide.decision_quantile(
+            verdict, q = decide.decide(
                 load,
+                cap,
                 bounds,
+                state,
+                current,
+                t,
                 cfg,
                 decide.budget_quantile(
                     [f[1] > ttft_slo_s for f in finished if f[0] >= t - cfg.budget_window_s],
                     cfg,
                 ),
+                decide.window_rps(counts, cfg),
             )
-            down_need = None
-            if cfg.policy == "reactive":
-                wanted, driver = decide.need_reactive(load, cfg.reactive_queue_per_worker)
-            else:
-                wanted, driver = decide.need(load, cap, bounds, current, cfg, q)
-                k = min(max(round(cfg.scale_down_stable_s / cfg.bucket_s), 1), len(counts))
-                window = sum(list(counts)[-k:]) / (k * cfg.bucket_s) if k else 0.0
-                down_need, _ = decide.need(
-                    replace(load, forecast_rps=window, arrival_rps=window, recent_rps=0.0),
-                    cap,
-                    bounds,
-                    current,
-                    cfg,
-                    q,
-                )
-            target = decide.settle(
-                wanted, driver, load, bounds, state, current, t, cfg, down_need
-            ).replicas
+            target = verdict.replicas
             quantiles.append(q)
             if t >= warm_s:
-                key = f"{driver}:{wanted}"
+                key = f"{verdict.driver}:{verdict.factors[0].removeprefix('need=')}"
                 drivers[key] = drivers.get(key, 0) + 1
             live = [w for w in workers if not w.draining]
             if target > len(live):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from libs.settings import PlannerSettings
 from services.planner.queueing import replicas_for_ttft
@@ -247,6 +247,40 @@ def settle(
     state.below_since = None
     state.target = base
     return Verdict(base, reason_bound or "steady", driver, factors)
+
+
+def window_rps(counts: Sequence[int], cfg: PlannerSettings) -> float:
+    """Mean arrivals a second over the scale-down window: the last ``scale_down_stable_s`` of
+    complete buckets (fewer while the history is shorter)."""
+    k = min(max(round(cfg.scale_down_stable_s / cfg.bucket_s), 1), len(counts))
+    return sum(list(counts)[-k:]) / (k * cfg.bucket_s) if k else 0.0
+
+
+def decide(
+    load: Load,
+    cap: Capacity,
+    bounds: Bounds,
+    state: RoleState,
+    current: int,
+    now: float,
+    cfg: PlannerSettings,
+    budget: float,
+    window: float,
+) -> tuple[Verdict, float]:
+    """One decision for one pool role (the planner's, and bench/planner_sim.py's): the policy's
+    need, then ``settle``; with the quantile it sized at. ``budget``: ``budget_quantile`` of
+    the recent requests; ``window``: ``window_rps``."""
+    q = decision_quantile(load, bounds, cfg, budget)
+    down_need = None
+    if cfg.policy == "reactive":
+        wanted, driver = need_reactive(load, cfg.reactive_queue_per_worker)
+    else:
+        wanted, driver = need(load, cap, bounds, current, cfg, q)
+        # The scale-down window's mean load (noise in one decision neither holds nor makes a
+        # scale-down).
+        at_window = replace(load, forecast_rps=window, arrival_rps=window, recent_rps=0.0)
+        down_need, _ = need(at_window, cap, bounds, current, cfg, q)
+    return settle(wanted, driver, load, bounds, state, current, now, cfg, down_need), q
 
 
 def _hold(state: RoleState, base: int, reason: str, driver: str, factors: list[str]) -> Verdict:

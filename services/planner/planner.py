@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from libs.protocol import PlanDecision, PlanRole, RouteDecision, RouterBeat, UsageEvent, WorkerBeat
 from libs.settings import PoolSettings, Settings
@@ -180,12 +180,6 @@ class Planner:
         fc = forecast(self.cfg.forecast_method, series, steps, self.cfg.min_history_buckets)
         return max(fc) + self.cfg.forecast_z * noise_std(series) if series else 0.0
 
-    def window_rps(self, pool: str) -> float:
-        """Mean arrivals a second over the scale-down window (its complete buckets)."""
-        counts = self.pools[pool].counts
-        k = min(max(round(self.cfg.scale_down_stable_s / self.cfg.bucket_s), 1), len(counts))
-        return sum(list(counts)[-k:]) / (k * self.cfg.bucket_s) if k else 0.0
-
     def series(self, pool: str) -> list[float]:
         return [c / self.cfg.bucket_s for c in self.pools[pool].counts]
 
@@ -226,28 +220,17 @@ class Planner:
             for s in samples
             if now - s.ts <= self.cfg.budget_window_s
         ]
-        q = decide.decision_quantile(
-            load, bounds, self.cfg, decide.budget_quantile(missed, self.cfg)
-        )
-        down_need = None
-        if self.cfg.policy == "reactive":
-            wanted, driver = decide.need_reactive(load, self.cfg.reactive_queue_per_worker)
-        else:
-            wanted, driver = decide.need(load, cap, bounds, current, self.cfg, q)
-            # The scale-down window's mean load (noise in one decision neither holds nor
-            # makes a scale-down).
-            window = self.window_rps(pool.name)
-            down_need, _ = decide.need(
-                replace(load, forecast_rps=window, arrival_rps=window, recent_rps=0.0),
-                cap,
-                bounds,
-                current,
-                self.cfg,
-                q,
-            )
         state = self.states.setdefault((pool.name, role), decide.RoleState())
-        verdict = decide.settle(
-            wanted, driver, load, bounds, state, current, now, self.cfg, down_need
+        verdict, q = decide.decide(
+            load,
+            cap,
+            bounds,
+            state,
+            current,
+            now,
+            self.cfg,
+            decide.budget_quantile(missed, self.cfg),
+            decide.window_rps(view.counts, self.cfg),
         )
         return PlanDecision(
             pool=pool.name,
