@@ -143,24 +143,38 @@ def test_configs_disaggregated_toml() -> None:
     assert roles["decode default-w0"] == "decode" and roles["prefill default-p0"] == "prefill"
 
 
+@contextmanager
+def started_fleet(
+    workers: int, warm_standby: int
+) -> Iterator[tuple[Fleet, mock.MagicMock, mock.MagicMock]]:
+    """A planned and started fleet of one FAKE pool ``p`` with ``warm_standby`` standbys
+    (refill every 5 s), its processes mocked (every one alive) and the clock at 0; yields
+    (fleet, the mocked Popen, the mocked clock)."""
+    from libs.settings import PlannerSettings, PoolSettings
+
+    settings = Settings(
+        pools=[PoolSettings(name="p", model="fake-model", backend="fake", workers=workers)],
+        planner=PlannerSettings(  # type: ignore[arg-type]
+            enabled=True, warm_standby=warm_standby, standby_refill_s=5.0
+        ),
+    )
+    with mock.patch("subprocess.Popen") as popen, mock.patch("time.monotonic") as clock:
+        popen.return_value.poll.return_value = None
+        popen.return_value.pid = 1
+        clock.return_value = 0.0
+        fleet = Fleet(settings)
+        fleet.plan()
+        fleet.start_all()
+        yield fleet, popen, clock
+
+
 def test_activated_standbys_are_replaced_one_at_a_time_after_the_refill_delay(
     tmp_path: Path,
 ) -> None:
     """Three standbys activated by one scale-up: their replacements start loading
     planner.standby_refill_s after the last activation, then one every standby_refill_s (not
     all at once on the cores that serve the wave)."""
-    from libs.settings import PlannerSettings, PoolSettings
-
-    settings = Settings(
-        pools=[PoolSettings(name="p", model="fake-model", backend="fake", workers=1)],
-        planner=PlannerSettings(enabled=True, warm_standby=3, standby_refill_s=5.0),  # type: ignore[arg-type]
-    )
-    with mock.patch("subprocess.Popen") as popen, mock.patch("time.monotonic") as clock:
-        popen.return_value.poll.return_value = None  # every child alive
-        popen.return_value.pid = 1
-        fleet = Fleet(settings)
-        fleet.plan()
-        fleet.start_all()
+    with started_fleet(workers=1, warm_standby=3) as (fleet, _popen, clock):
         standbys = [c for c in fleet.children if c.standby]
         assert len(standbys) == 3
         clock.return_value = 100.0
@@ -183,19 +197,7 @@ def test_scale_down_parks_workers_while_the_role_is_short_of_standbys(tmp_path: 
     activates the parked ones (SIGUSR1) and starts no process."""
     import signal
 
-    from libs.settings import PlannerSettings, PoolSettings
-
-    settings = Settings(
-        pools=[PoolSettings(name="p", model="fake-model", backend="fake", workers=4)],
-        planner=PlannerSettings(enabled=True, warm_standby=2, standby_refill_s=5.0),  # type: ignore[arg-type]
-    )
-    with mock.patch("subprocess.Popen") as popen, mock.patch("time.monotonic") as clock:
-        popen.return_value.poll.return_value = None  # every child alive
-        popen.return_value.pid = 1
-        clock.return_value = 0.0
-        fleet = Fleet(settings)
-        fleet.plan()
-        fleet.start_all()
+    with started_fleet(workers=4, warm_standby=2) as (fleet, popen, _clock):
         standbys = [c for c in fleet.children if c.standby]
         assert len(standbys) == 2
         # Two standbys activated: four then six serve; the role owes two standbys.
