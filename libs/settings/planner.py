@@ -119,8 +119,10 @@ class PlannerSettings(Section):
     """Seconds after a change before the next scale-up."""
     scale_up_urgent_fraction: float = Field(default=0.5, ge=0)
     """A request held in a router (every worker full) for this fraction of the pool's TTFT SLO
-    makes a larger need go through the up-cooldown: that request misses the SLO unless capacity
-    comes now. 0: the cooldown always holds."""
+    makes a larger need go through the up-cooldown, sized at `slo_quantile`: that request
+    misses the SLO unless capacity comes now. Not while workers the last decision added are
+    still coming (fewer beat than it decided, less than `horizon_s` ago): they were decided
+    for it. 0: the cooldown always holds."""
     scale_down_cooldown_s: float = Field(default=60.0, ge=0)
     """Seconds after a change before the next scale-down."""
     scale_down_stable_s: float = Field(default=60.0, ge=0)

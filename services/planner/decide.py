@@ -150,12 +150,20 @@ def budget_quantile(missed: Sequence[bool], cfg: PlannerSettings) -> float:
     return floor + (cfg.slo_quantile - floor) * tighten
 
 
-def decision_quantile(load: Load, bounds: Bounds, cfg: PlannerSettings, budget: float) -> float:
+def decision_quantile(
+    load: Load,
+    bounds: Bounds,
+    cfg: PlannerSettings,
+    budget: float,
+    coming: bool = False,
+) -> float:
     """The quantile a decision sizes at: the error budget's (``budget_quantile``), except that
     the budget is for the load the forecast knows: a step it did not see (``stepped``) or a
     request held for ``scale_up_urgent_fraction`` of the SLO (the budget spent now, faster than
-    finished requests show it) sizes at ``slo_quantile``."""
-    return cfg.slo_quantile if urgent(load, bounds, cfg) or stepped(load, cfg) else budget
+    finished requests show it; ``urgent``) sizes at ``slo_quantile``. ``coming``: workers the
+    last decision added are still on their way (``capacity_coming``)."""
+    hurry = urgent(load, bounds, cfg) and not coming
+    return cfg.slo_quantile if hurry or stepped(load, cfg) else budget
 
 
 def urgent(load: Load, bounds: Bounds, cfg: PlannerSettings) -> bool:
@@ -164,6 +172,19 @@ def urgent(load: Load, bounds: Bounds, cfg: PlannerSettings) -> bool:
     return (
         cfg.scale_up_urgent_fraction > 0
         and load.oldest_wait_s >= cfg.scale_up_urgent_fraction * bounds.ttft_slo_s
+    )
+
+
+def capacity_coming(state: RoleState, current: int, now: float, cfg: PlannerSettings) -> bool:
+    """The last decision's workers are not all serving yet and have had less than ``horizon_s``
+    (the time more capacity takes to serve) to come: a request held now is what they were
+    decided for, and it does not make the decision urgent. Without it, the requests that wait
+    through a standby's activation read as urgent and size a second scale-up at
+    ``slo_quantile`` over the first (measured on steady: a third worker every cycle)."""
+    return (
+        state.target is not None
+        and current < state.target
+        and now - state.last_change < cfg.horizon_s
     )
 
 
@@ -194,6 +215,7 @@ def settle(
     now: float,
     cfg: PlannerSettings,
     down_need: int | None = None,
+    coming: bool = False,
 ) -> Verdict:
     """Bounds, scale-to-zero, cooldowns; updates ``state`` and returns the decision.
 
@@ -217,7 +239,7 @@ def settle(
 
     if wanted > base:
         state.below_since = None
-        hurry = urgent(load, bounds, cfg)
+        hurry = urgent(load, bounds, cfg) and not coming
         if hurry:
             factors.append(f"oldest_wait={load.oldest_wait_s:.2f}")
         if base > 0 and now - state.last_change < cfg.scale_up_cooldown_s and not hurry:
@@ -270,7 +292,8 @@ def decide(
     """One decision for one pool role (the planner's, and bench/planner_sim.py's): the policy's
     need, then ``settle``; with the quantile it sized at. ``budget``: ``budget_quantile`` of
     the recent requests; ``window``: ``window_rps``."""
-    q = decision_quantile(load, bounds, cfg, budget)
+    coming = capacity_coming(state, current, now, cfg)
+    q = decision_quantile(load, bounds, cfg, budget, coming)
     down_need = None
     if cfg.policy == "reactive":
         wanted, driver = need_reactive(load, cfg.reactive_queue_per_worker)
@@ -280,7 +303,7 @@ def decide(
         # scale-down).
         at_window = replace(load, forecast_rps=window, arrival_rps=window, recent_rps=0.0)
         down_need, _ = need(at_window, cap, bounds, current, cfg, q)
-    return settle(wanted, driver, load, bounds, state, current, now, cfg, down_need), q
+    return settle(wanted, driver, load, bounds, state, current, now, cfg, down_need, coming), q
 
 
 def _hold(state: RoleState, base: int, reason: str, driver: str, factors: list[str]) -> Verdict:

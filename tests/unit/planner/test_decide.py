@@ -100,6 +100,31 @@ def test_a_request_held_long_sizes_at_the_slo_quantile_whatever_the_budget() -> 
     assert need(calm, CAP, BOUNDS, 1, fast, quantile=0.3)[0] < full
 
 
+def test_requests_held_while_decided_workers_come_are_not_urgent() -> None:
+    # One worker, 3 decided 0.5 s ago and not beating yet: the request held for 1.2 s (over
+    # half the 2 s SLO) is what they were decided for. The decision sizes at the budget's
+    # quantile (3 workers: what was decided); the same held request with the 3 serving, or
+    # once they have had horizon_s to come, sizes at the SLO's quantile (5) through the
+    # up-cooldown.
+    from services.planner.decide import capacity_coming, decide
+
+    c = cfg(horizon_s=2.0, bucket_s=1.0, scale_up_cooldown_s=1.0)
+    held = load(arrival_rps=6.0, forecast_rps=6.0, queue=12, oldest_wait_s=1.2)
+    assert capacity_coming(RoleState(target=3, last_change=10.0), 1, 10.5, c)
+    assert not capacity_coming(RoleState(target=3, last_change=10.0), 3, 10.5, c)  # all serve
+    assert not capacity_coming(RoleState(target=3, last_change=10.0), 1, 12.0, c)  # too long
+    assert not capacity_coming(RoleState(), 1, 10.5, c)  # no decision yet
+
+    def at(current: int, now: float) -> tuple[int, str, float]:
+        state = RoleState(target=3, last_change=10.0)
+        v, q = decide(held, CAP, BOUNDS, state, current, now, c, budget=0.3, window=6.0)
+        return v.replicas, v.reason, q
+
+    assert at(1, 10.5) == (3, "steady", pytest.approx(0.3))
+    assert at(3, 10.5) == (5, "scale_up", pytest.approx(0.95))  # within the up-cooldown
+    assert at(1, 12.0) == (5, "scale_up", pytest.approx(0.95))
+
+
 def test_a_step_the_forecast_did_not_see_sizes_at_the_slo_quantile() -> None:
     from services.planner.decide import decision_quantile
 
