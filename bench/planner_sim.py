@@ -12,7 +12,8 @@ fleet bench measures it. What it models:
   ``services.planner`` code (``forecast``, ``decide.need`` / ``need_reactive``, ``settle``) and
   the capacity the calibration gives (the real planner measures it: close to this);
 - the actuator: a scale-up activates a warm standby that serves ``--activation-s`` later; a
-  scale-down drains the newest worker, which counts until its last request ends.
+  scale-down drains the worker with the fewest rows, the newest of equals (the planner's
+  ``drain_order``), which counts until its last request ends.
 
 What it leaves out: the machine (client, router and NATS time), the measured capacity's error,
 the standby refill. Its figures are a model's: compare them with each other, and with the fleet
@@ -184,7 +185,9 @@ def simulate(
                 workers += [Worker(t + activation_s) for _ in range(target - len(live))]
             elif target < len(live):
                 changes += 1
-                for w in sorted(live, key=lambda w: -w.serves_at)[: len(live) - target]:
+                for w in sorted(live, key=lambda w: (len(w.rows), -w.serves_at))[
+                    : len(live) - target
+                ]:
                     w.draining = True
         for w in serving:
             if not w.rows:

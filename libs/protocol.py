@@ -494,6 +494,10 @@ class PlanDecision(Struct, kw_only=True):
     itl_s: float | None = None
     planner_id: str = ""
     ts: float = msgspec.field(default_factory=time.time)
+    # The role's live, not draining workers (worker ids) in the order a scale-down should take
+    # them: fewest requests running and waiting first (its drain ends soonest), the newest
+    # first among equals. Empty: the actuator's own order (newest first).
+    drain_order: list[str] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- batches (JetStream)

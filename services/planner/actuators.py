@@ -2,11 +2,13 @@
 
 - ``LocalActuator``: inside ``strait up``'s supervisor (services/supervisor/). It subscribes
   to the planner's decisions on a thread of its own and hands each fresh one to the fleet's
-  ``scale(pool, role, replicas)``, which starts workers or drains the surplus (SIGTERM: the
-  worker's own drain, so nothing running is dropped).
+  ``scale(pool, role, replicas, reason, drain_order)``, which starts workers or drains the
+  surplus, the decision's ``drain_order`` first (SIGTERM or SIGUSR2: the worker's own drain,
+  so nothing running is dropped).
 - ``KubernetesActuator``: inside the planner (``planner.actuator = "kubernetes"``); sets the
   ``replicas`` of each pool role's Deployment through the scale subresource with the
-  ``kubernetes`` client (decision 0019). Pod termination is the same drain.
+  ``kubernetes`` client (decision 0019), the pods ranked for a scale-down by the decision's
+  ``drain_order``. Pod termination is the same drain.
 
 Both ignore decisions older than ``planner.decision_max_age_s`` and do nothing when no decision
 comes: a planner that dies leaves the fleet the size it was (advisory-safe).
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from nats.aio.msg import Msg
@@ -45,7 +47,9 @@ def fresh(decision: PlanDecision, max_age_s: float, now: float | None = None) ->
 class WorkerSet(Protocol):
     """What the local actuator drives: the supervisor's fleet."""
 
-    def scale(self, pool: str, role: str, replicas: int, reason: str) -> None: ...
+    def scale(
+        self, pool: str, role: str, replicas: int, reason: str, drain_order: Sequence[str] = ()
+    ) -> None: ...
 
 
 class LocalActuator:
@@ -68,7 +72,9 @@ class LocalActuator:
         if not fresh(decision, self.settings.planner.decision_max_age_s):
             log.info("stale plan ignored", extra=fields(pool=decision.pool, role=decision.role))
             return
-        self.fleet.scale(decision.pool, decision.role, decision.replicas, decision.reason)
+        self.fleet.scale(
+            decision.pool, decision.role, decision.replicas, decision.reason, decision.drain_order
+        )
 
     def poll(self) -> None:
         """Apply the newest decision received for each pool role since the last poll."""
@@ -123,26 +129,36 @@ class LocalActuator:
 # ---------------------------------------------------------------- Kubernetes
 
 
+# The ReplicaSet controller removes the pods with the lowest value first on a scale-down.
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
 class KubernetesActuator:
     """Sets Deployment replicas through ``apps/v1 deployments/scale`` (decision 0019).
 
-    ``api`` is a ``kubernetes.client.AppsV1Api`` (in-cluster config by default). Each role of a
-    pool maps to one Deployment (``planner.kubernetes_deployment`` /
-    ``kubernetes_prefill_deployment`` with ``{pool}``); a decode role of a disaggregated pool
+    ``api`` is a ``kubernetes.client.AppsV1Api``, ``core`` a ``CoreV1Api`` (in-cluster config
+    by default). Each role of a pool maps to one Deployment (``planner.kubernetes_deployment``
+    / ``kubernetes_prefill_deployment`` with ``{pool}``); a decode role of a disaggregated pool
     is the pool's worker Deployment. A replicas value already in place is not written again.
+    Before a scale-down it ranks the pods by the decision's ``drain_order`` (a worker's id is
+    its pod's name) in their ``pod-deletion-cost``: the ReplicaSet removes the worker whose
+    drain ends soonest, not one it picks. A failed ranking (no RBAC for pods) is logged and
+    the scale-down goes on in the ReplicaSet's own order.
     """
 
-    def __init__(self, settings: Settings, api: Any = None) -> None:
+    def __init__(self, settings: Settings, api: Any = None, core: Any = None) -> None:
         self.cfg = settings.planner
-        if api is None:
+        if api is None or core is None:
             from kubernetes import client, config
 
             try:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            api = client.AppsV1Api()
+            api = api or client.AppsV1Api()
+            core = core or client.CoreV1Api()
         self.api = api
+        self.core = core
         self._applied: dict[str, int] = {}
 
     def deployment(self, pool: str, role: str) -> str:
@@ -163,6 +179,8 @@ class KubernetesActuator:
         if now == decision.replicas:
             self._applied[name] = now
             return
+        if decision.replicas < now and decision.drain_order:
+            self.rank_pods(decision.drain_order, ns)
         self.api.patch_namespaced_deployment_scale(
             name, ns, {"spec": {"replicas": decision.replicas}}
         )
@@ -177,6 +195,19 @@ class KubernetesActuator:
                 reason=decision.reason,
             ),
         )
+
+    def rank_pods(self, drain_order: list[str], ns: str) -> None:
+        """Deletion cost 1, 2, ... in ``drain_order``: the first goes first. Pods not in it
+        (starting, not beating yet, so idle) keep the default 0 and go before them."""
+        for cost, pod in enumerate(drain_order, start=1):
+            body = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
+            try:
+                self.core.patch_namespaced_pod(pod, ns, body)
+            except Exception as e:  # ApiException (403 without the Role's pods rule, 404 gone)
+                log.warning(
+                    "pod deletion cost not set", extra=fields(pod=pod, namespace=ns, error=repr(e))
+                )
+                return
 
 
 def build_actuator(settings: Settings) -> Callable[[PlanDecision], None] | None:

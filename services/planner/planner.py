@@ -26,6 +26,7 @@ from services.planner.forecast import forecast, noise_std
 class WorkerView:
     beat: WorkerBeat
     seen: float  # planner clock
+    first_seen: float  # planner clock: its first beat here (the newest of equals drains first)
     # (time, running) of recent beats, for a finished request's mean concurrency.
     running: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -51,6 +52,15 @@ class PoolView:
 
 # Beat TTLs (fleet.worker_ttl_s) after its start before the planner decides anything.
 WARMUP_TTLS = 2
+
+
+def drain_order(live: list[WorkerView]) -> list[str]:
+    """``PlanDecision.drain_order``: the live, not draining workers, the one whose drain ends
+    soonest first (fewest requests running and waiting; the newest of equals). The actuators
+    take a scale-down's workers from its head."""
+    serving = [w for w in live if not w.beat.draining]
+    serving.sort(key=lambda w: (w.beat.running + w.beat.waiting, -w.first_seen))
+    return [w.beat.worker_id for w in serving]
 
 
 def roles_of(pool: PoolSettings) -> tuple[PlanRole, ...]:
@@ -102,7 +112,7 @@ class Planner:
     def on_beat(self, beat: WorkerBeat, now: float) -> None:
         view = self.workers.get(beat.worker_id)
         if view is None:
-            view = self.workers[beat.worker_id] = WorkerView(beat, now)
+            view = self.workers[beat.worker_id] = WorkerView(beat, now, now)
         view.beat, view.seen = beat, now
         view.running.append((now, beat.running))
 
@@ -256,6 +266,7 @@ class Planner:
             ttft_s=None if ttft is None else round(ttft, 4),
             itl_s=None if not itls else round(quantile(itls, self.cfg.slo_quantile) or 0.0, 4),
             planner_id=self.planner_id,
+            drain_order=drain_order(live),
         )
 
     # ------------------------------------------------------------ helpers

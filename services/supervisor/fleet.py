@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from libs.settings import Settings
@@ -24,6 +25,22 @@ STOP_GRACE_S = 15.0
 # The user's own inductor cache, read before anything imports torch (torch writes its default
 # into the environment); otherwise compiled graphs go under the state dir.
 USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+# The variable a worker child reads its worker id from (its beats' ``worker_id``).
+WORKER_ID_ENV = "STRAIT_WORKER__WORKER_ID"
+
+
+def surplus(live: list[Child], n: int, drain_order: Sequence[str]) -> list[Child]:
+    """The ``n`` workers of ``live`` (oldest first) a scale-down drains: those the planner has
+    not heard beat yet (``drain_order``: starting, so idle), the newest first; then the
+    planner's order (fewest requests first). Without an order: the newest."""
+    if n <= 0:
+        return []
+    rank = {wid: i for i, wid in enumerate(drain_order)}
+    # A stable sort: equal ranks (the unheard ones, -1) stay newest first.
+    order = sorted(live[::-1], key=lambda c: rank.get(c.env.get(WORKER_ID_ENV, ""), -1))
+    return order[:n]
 
 
 @dataclass
@@ -189,9 +206,16 @@ class Fleet:
         c.env["STRAIT_WORKER__STANDBY"] = "true"  # restarted after a crash: a standby again
         c.name += " (standby)"
 
-    def scale(self, pool: str, role: str, replicas: int, reason: str) -> None:
+    def scale(
+        self,
+        pool: str,
+        role: str,
+        replicas: int,
+        reason: str,
+        drain_order: Sequence[str] = (),
+    ) -> None:
         """The local actuator's word (services/planner/actuators.py): start workers up to
-        ``replicas`` (warm standbys first), or drain the newest surplus ones: back to standby
+        ``replicas`` (warm standbys first), or drain the surplus (``surplus``): back to standby
         while the pool role has fewer than ``planner.warm_standby`` (``park``), else for good
         (SIGTERM: no new work, running requests finish or migrate, then the process exits and
         is not restarted)."""
@@ -207,7 +231,7 @@ class Fleet:
             self.children.append(c)
             c.start()
             say(f"planner: started {c.name} (pid {c.proc.pid if c.proc else '?'}; {reason})")
-        for c in live[replicas:][::-1] if len(live) > replicas else []:
+        for c in surplus(live, len(live) - replicas, drain_order):
             if (
                 c.alive()
                 and c.proc is not None

@@ -221,3 +221,34 @@ def test_scale_down_parks_workers_while_the_role_is_short_of_standbys(tmp_path: 
         sent = [c.args[0] for c in popen.return_value.send_signal.call_args_list]
         assert sent == [signal.SIGUSR1, signal.SIGUSR1] and popen.call_count == started
         assert len(fleet.workers("p", "aggregated")) == 5
+
+
+def test_scale_down_takes_the_planners_drain_order_and_unheard_workers_first() -> None:
+    """The surplus a scale-down drains: workers the planner's drain_order does not name yet
+    (starting: idle), newest first; then its order (fewest requests first); with no order, the
+    newest. Pure selection over children (services.supervisor.fleet.surplus)."""
+    from services.supervisor.fleet import WORKER_ID_ENV, surplus
+
+    live = [Child(f"w{i}", [], {WORKER_ID_ENV: f"p-w{i}"}) for i in range(4)]  # oldest first
+
+    def ids(cs: list[Child]) -> list[str]:
+        return [c.name for c in cs]
+
+    assert ids(surplus(live, 2, ())) == ["w3", "w2"]  # no order: the newest
+    assert ids(surplus(live, 2, ["p-w1", "p-w3", "p-w0", "p-w2"])) == ["w1", "w3"]
+    # p-w3 not heard yet (just started): it goes before the order's head.
+    assert ids(surplus(live, 2, ["p-w0", "p-w2", "p-w1"])) == ["w3", "w0"]
+    assert surplus(live, 0, ["p-w0"]) == []
+
+
+def test_a_scale_down_signals_the_workers_the_order_names() -> None:
+    import signal
+
+    with started_fleet(workers=3, warm_standby=0) as (fleet, popen, _clock):
+        w = fleet.workers("p", "aggregated")
+        popen.return_value.send_signal.reset_mock()
+        fleet.scale("p", "aggregated", 2, "scale_down", ["p-w0", "p-w2", "p-w1"])
+        assert [c.args[0] for c in popen.return_value.send_signal.call_args_list] == [
+            signal.SIGTERM
+        ]
+        assert w[0].retiring and not w[1].retiring and not w[2].retiring

@@ -471,3 +471,38 @@ def test_the_scale_down_window_is_the_mean_of_its_buckets() -> None:
     from services.planner.decide import window_rps
 
     assert window_rps(pl.pools["p"].counts, s.planner) == pytest.approx((1 + 3 + 5 + 7) / 4)
+
+
+def test_a_decision_orders_the_roles_workers_for_a_scale_down() -> None:
+    # drain_order: live, not draining workers, fewest running + waiting first (its drain ends
+    # soonest), the newest first among equals; draining and silent ones are not in it.
+    from libs.protocol import WorkerBeat
+    from libs.settings import PoolSettings, Settings
+    from services.planner.planner import Planner
+
+    s = Settings(pools=[PoolSettings(name="p", model="m", backend="fake")])
+    pl = Planner(s, "t", now=0.0)
+
+    def beat(wid: str, now: float, running: int, waiting: int = 0, **kw: object) -> None:
+        b = WorkerBeat(
+            worker_id=wid,
+            pool="p",
+            role="aggregated",
+            model="m",
+            capacity=8,
+            running=running,
+            waiting=waiting,
+            **kw,  # type: ignore[arg-type]
+        )
+        pl.on_beat(b, now)
+
+    beat("old", 1.0, running=3)
+    beat("busy", 2.0, running=8, waiting=2)
+    beat("new", 3.0, running=3)  # as loaded as "old", seen later: drains first
+    beat("idle", 4.0, running=1)
+    beat("leaving", 5.0, running=0, draining=True)
+    beat("gone", -100.0, running=0)  # no beat within the TTL
+    for wid, r in [("old", 3), ("busy", 8), ("new", 3), ("idle", 1)]:
+        beat(wid, 9.5, running=r, waiting=2 if wid == "busy" else 0)
+    (d,) = pl.plan(10.0)
+    assert d.drain_order == ["idle", "new", "old", "busy"]

@@ -1,6 +1,7 @@
 """deploy/k8s/overlays/planner as kustomize renders it (decision 0019): the planner Deployment
 runs a real subcommand with real settings and the Kubernetes actuator, probes its own port,
-may only get and patch deployments/scale in its namespace, finds every pool role's Deployment
+may only get and patch deployments/scale and patch pods (their deletion cost) in its namespace,
+finds every pool role's Deployment
 by the names its settings build, and is the only thing scaling them (no ScaledObject)."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def test_planner_overlay(tmp_path: Path) -> None:
     assert planner.spec["livenessProbe"]["httpGet"] == {"path": "/health", "port": port}
     assert planner.workload["spec"]["replicas"] == 1  # one writer of the replicas
 
-    # RBAC: the pod's ServiceAccount is bound to a Role of exactly deployments/scale get+patch.
+    # RBAC: the pod's ServiceAccount is bound to a Role of exactly deployments/scale get+patch
+    # and pods patch (the deletion cost that picks a scale-down's pod).
     account = planner.pod["spec"]["serviceAccountName"]
     ns = planner.workload["metadata"]["namespace"]
     assert any(a["metadata"]["name"] == account for a in by_kind(docs, "ServiceAccount"))
@@ -54,12 +56,13 @@ def test_planner_overlay(tmp_path: Path) -> None:
     ]
     assert role["metadata"]["namespace"] == ns
     assert role["rules"] == [
-        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
     ]
 
     # Every pool role's Deployment exists under the name the actuator builds, with no
     # replicas of its own and no ScaledObject: the planner alone sets its count.
-    actuator = KubernetesActuator(s, api=object())
+    actuator = KubernetesActuator(s, api=object(), core=object())
     deployments = {d["metadata"]["name"]: d for d in by_kind(docs, "Deployment")}
     assert not by_kind(docs, "ScaledObject")
     for pool in s.pools:
