@@ -533,14 +533,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--forecast-z", type=float, default=None, help="planner.forecast_z (default: the setting's)"
     )
-    p.add_argument("--down-stable-s", type=float, default=10.0)
+    p.add_argument(
+        "--down-stable-s",
+        type=float,
+        default=10.0,
+        help="planner.scale_down_stable_s (longer than the default 60 s compressed 15x: a "
+        "4 s window holds too few arrivals to average)",
+    )
     p.add_argument(
         "--budget-window-s",
         type=float,
         default=40.0,
         help="planner.budget_window_s (the default 600 s compressed 15x as the traces are)",
     )
-    p.add_argument("--down-cooldown-s", type=float, default=5.0)
+    p.add_argument(
+        "--down-cooldown-s",
+        type=float,
+        default=4.0,
+        help="planner.scale_down_cooldown_s (the default 60 s compressed 15x)",
+    )
     p.add_argument("--window-s", type=float, default=5.0, help="window of the peak rate")
     p.add_argument("--lead-s", type=float, default=4.0, help="seconds between ready and replay")
     p.add_argument(

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reactive-queue", type=int, default=8)
     p.add_argument("--horizon-s", type=float, default=2.0)
     p.add_argument("--down-stable-s", type=float, default=10.0)
-    p.add_argument("--down-cooldown-s", type=float, default=5.0)
+    p.add_argument("--down-cooldown-s", type=float, default=4.0)
     p.add_argument("--activation-s", type=float, default=1.1, help="standby decision -> serving")
     p.add_argument("--warm-s", type=float, default=15.0)
     p.add_argument(
