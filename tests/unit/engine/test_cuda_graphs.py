@@ -172,10 +172,14 @@ def test_a_step_with_prompt_tokens_replays_a_graph_with_the_eager_logits(attenti
     graphs, runner.graphs = runner.graphs, None
     eager = runner._forward(ids, positions, slots, keep, tables, entry)
     assert graphed.shape == eager.shape == (2, runner.shape.vocab_size)
-    assert torch.allclose(graphed, eager, atol=1e-5)
+    # Float32 matmuls over the graph's padded rows round differently from the eager batch's
+    # where the BLAS picks another blocking for the other row count (AVX-512: up to 7.6e-6 on
+    # values up to ~15 in the second layer's K/V, a few ulps); a misplaced row is off by O(1).
+    assert torch.allclose(graphed, eager, atol=1e-5, rtol=1e-5)
     # The same K/V landed in the same slots (the padding rows' only in the scratch block).
     scratch = runner.num_blocks
-    assert torch.allclose(after_graph[:, :, :, :scratch], cache[:, :, :, :scratch], atol=1e-6)
+    graph_kv, eager_kv = after_graph[:, :, :, :scratch], cache[:, :, :, :scratch]
+    assert torch.allclose(graph_kv, eager_kv, atol=1e-5, rtol=1e-5)
     # A step of more tokens than engine.cuda_graph_max_tokens runs eager.
     runner.graphs = graphs
     n = 17
