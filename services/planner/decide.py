@@ -9,9 +9,11 @@ decision's ``driver``):
   horizon arriving, the requests waiting now in front, over the horizon, the time more
   capacity takes to come), and never fewer than fill the forecast to ``target_utilization``
   (0: no such floor, the default);
-- ``queue``: while requests wait, the same prediction at today's arrivals (the last bucket's
-  rate, or the sliding last ``bucket_s``'s when higher: a step shows within a tick, not a
-  bucket) (the reactive term: what no forecast saw coming);
+- ``queue``: while requests wait, the same prediction at today's arrivals: the last
+  ``bucket_s`` up to now, a sliding window, so a step shows within a tick, not a bucket (the
+  last complete bucket when the window saw none). Not the higher of the two: both count
+  mostly the same arrivals, and the higher of two noisy counts sized for noise (the reactive
+  term: what no forecast saw coming);
 - ``ttft_slo``: the measured TTFT is over the SLO while requests wait: one worker more than
   now, whatever the arithmetic says (the capacity estimate is wrong).
 
@@ -125,7 +127,7 @@ def need(
         )
         if load.forecast_rps > NO_LOAD_RPS
         else 0,
-        "queue": for_slo(max(load.arrival_rps, load.recent_rps)) if load.queue > 0 else 0,
+        "queue": for_slo(load.recent_rps or load.arrival_rps) if load.queue > 0 else 0,
         "ttft_slo": current + 1
         if load.queue > 0 and load.ttft_s is not None and load.ttft_s > bounds.ttft_slo_s
         else 0,

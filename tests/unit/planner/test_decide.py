@@ -381,6 +381,10 @@ def test_the_queue_term_sees_a_step_within_a_tick_not_a_bucket() -> None:
     wanted, driver = need(load(arrival_rps=1.0, recent_rps=8.0, queue=2), CAP, BOUNDS, 1, c)
     assert (wanted, driver) == (4, "queue")
     assert need(load(arrival_rps=1.0, queue=2), CAP, BOUNDS, 1, c) == (2, "queue")
+    # The sliding window is the rate, not the higher of it and the last bucket: a bucket of 8
+    # whose arrivals the window no longer holds (1 req/s now) sizes for 1.
+    fell = load(arrival_rps=8.0, recent_rps=1.0, queue=2)
+    assert need(fell, CAP, BOUNDS, 1, c) == need(load(arrival_rps=1.0, queue=2), CAP, BOUNDS, 1, c)
     # Without a queue the sliding window sizes nothing (the forecast does): no noise scale-up.
     assert need(load(arrival_rps=1.0, recent_rps=8.0), CAP, BOUNDS, 1, c) == (0, "idle")
 
