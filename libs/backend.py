@@ -20,7 +20,7 @@ from libs.engine.outputs import (
     PreparedPrompt,
     Resume,
 )
-from libs.engine.params import ChatMessage, Priority, SamplingParams
+from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
 from libs.tools import ToolSpec
 
 
@@ -56,10 +56,12 @@ class Backend(Protocol):
         sampling: SamplingParams,
         priority: Priority,
         resume: Resume | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream chunks until every choice has a finish_reason. Closing the iterator early
         aborts the request and frees its blocks. ``resume``: continue after a handed-off first
-        token (backends without KV handoff raise BackendError)."""
+        token (backends without KV handoff raise BackendError). ``tenant``: who it is served
+        as in the backend's fair share of tokens (libs/flow)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -21,7 +21,10 @@ from typing import Literal
 from libs.engine.checks import check_prompt
 from libs.engine.errors import BackendError
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
-from libs.engine.params import ChatMessage, Priority, SamplingParams
+from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
+from libs.engine.sequence import PRIORITY_CLASS
+from libs.flow.fair import FairShare
+from libs.flow.gate import FairGate
 from libs.settings import FakeEngineSettings
 from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec
 
@@ -69,6 +72,8 @@ class FakeBackend:
         block_size: int = 16,
         capacity: int = 64,
         cache_blocks: int = 4096,
+        headroom: int = 0,
+        prompt_cost: float = 1.0,
     ) -> None:
         self.settings = settings
         self.model_name = model_name
@@ -77,7 +82,8 @@ class FakeBackend:
         self.block_size = block_size
         self.capacity = capacity
         self._running: dict[str, int] = {}
-        self._slots = asyncio.Semaphore(capacity)
+        # Seated in fair-share order like the engine's scheduler (``engine.fair_*``).
+        self._gate = FairGate(capacity, headroom, FairShare(prompt_cost=prompt_cost))
         self._waiting = 0
         # Prefix cache of block hashes (LRU), so cached prompts are cheaper like a real worker's.
         self._cache: OrderedDict[int, None] = OrderedDict()
@@ -155,20 +161,23 @@ class FakeBackend:
         sampling: SamplingParams,
         priority: Priority,
         resume: Resume | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[GenerationChunk]:
+        who = tenant or Tenant()
         if resume is not None and (resume.token_id is not None or sampling.n != 1):
             raise BackendError("invalid_request", "the fake backend does not take KV handoffs")
         # A migrated request: its first ``replayed`` words were streamed by another worker.
         skip = len(resume.replayed) if resume is not None else 0
         self._waiting += 1
         try:
-            await self._slots.acquire()
+            await self._gate.acquire(who.name, who.weight, PRIORITY_CLASS[priority])
         finally:
             self._waiting -= 1
         self._running[request_id] = len(prompt.token_ids)
         try:
             n_prompt = len(prompt.token_ids)
             cached = self._touch_prefix(prompt.token_ids)
+            self._gate.fair.charge(who.name, prompt_tokens=n_prompt - cached)
             await asyncio.sleep((n_prompt - cached) * self.settings.per_prompt_token_s)
             if prompt.grammar is not None:
                 for i in range(sampling.n):
@@ -195,6 +204,7 @@ class FakeBackend:
                     word = rng.choice(_WORDS)
                     if step < skip:  # same draws as the first worker, not streamed again
                         continue
+                    self._gate.fair.charge(who.name, output_tokens=1)
                     text = word if step == 0 else " " + word
                     last = step == n_words - 1
                     stop_hit = any(s and s in text for s in sampling.stop)
@@ -217,7 +227,7 @@ class FakeBackend:
         finally:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
-            self._slots.release()
+            self._gate.release(who.name)
 
     def token_s(self) -> float:
         """Seconds one output token takes now: one step of a batch of the running requests."""

@@ -94,6 +94,15 @@ class GenerateRequest(Struct, kw_only=True):
     # team chooses its own ids, so two teams may use the same one (``request_key``).
     origin: str | None = None
     user: str | None = None
+    # The tenant's terms in flow control (docs/flow-control.md), set by the fleet, never
+    # believed from a team: the gateway from the API key, the router from the teams file for
+    # a team's request. Weight in the fair share of tokens (None: 1); most requests of the
+    # tenant that may wait in a pool before it answers over_share (None: flow.max_waiting).
+    tenant_weight: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    tenant_max_waiting: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # Seconds the request may wait for a worker to take it (from created_at) before it ends
+    # with deadline_exceeded; None: flow.queue_timeout_s.
+    queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
     # Extra stream messages: echo the chosen route before the first token.
     want_route: bool = False
@@ -258,6 +267,8 @@ ERROR_HTTP_STATUS: dict[str, int] = {
     "timeout": 504,
     "internal_error": 500,
     "worker_lost": 503,
+    "over_share": 429,
+    "deadline_exceeded": 504,
 }
 
 

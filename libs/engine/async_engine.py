@@ -42,7 +42,7 @@ from libs.engine.kv_transfer import KvBlocks
 from libs.engine.loader import ModelShape
 from libs.engine.output_stream import END, OutputStream
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
-from libs.engine.params import ChatMessage, Priority, SamplingParams
+from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
 from libs.tools import ToolSpec
 
 log = logging.getLogger("strait.engine")
@@ -64,6 +64,7 @@ class _Add:
     # Export the prompt's full blocks on the engine thread the moment the request finishes
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
+    tenant: Tenant | None = None
 
 
 @dataclass(slots=True)
@@ -226,6 +227,7 @@ class AsyncEngineBackend:
         sampling: SamplingParams,
         priority: Priority,
         resume: Resume | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream chunks until every choice finished; closing early aborts the request.
         ``resume``: the first token was sampled by a prefill worker (KV handoff)."""
@@ -238,6 +240,7 @@ class AsyncEngineBackend:
             prompt.grammar,
             list(prompt.matchers),
             list(prompt.prediction_ids),
+            tenant=tenant,
         )
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
@@ -250,6 +253,7 @@ class AsyncEngineBackend:
         sampling: SamplingParams,
         priority: Priority,
         replayed: list[int] | None = None,
+        tenant: Tenant | None = None,
     ) -> PrefillResult:
         """Compute the prompt and sample the first token only (the prefill worker's half of a
         disaggregated request); the prompt's blocks stay in this engine's prefix cache.
@@ -268,6 +272,7 @@ class AsyncEngineBackend:
             grammar=prompt.grammar,
             matchers=list(prompt.matchers[:1]),
             export=True,
+            tenant=tenant,
         )
         async for item in self._run_request(add):
             if isinstance(item, PrefillResult):
@@ -389,6 +394,7 @@ class AsyncEngineBackend:
                     cmd.grammar,
                     cmd.matchers,
                     cmd.prediction_ids,
+                    cmd.tenant,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)

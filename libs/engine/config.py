@@ -97,6 +97,20 @@ class EngineSettings(BaseModel):
     # their blocks and resume the step after), so a batch never lengthens interactive TTFT
     # (decision 0030). false: they share those steps, interactive first.
     batch_yields_to_prompts: bool = True
+    # Flow control between tenants (libs/flow, docs/flow-control.md): waiting sequences are
+    # admitted in the order of their tenant's weighted share of tokens served, inside priority
+    # bands, and memory pressure preempts the tenant furthest over its share first. false:
+    # arrival order inside a band.
+    fair_share: bool = True
+    # A computed prompt token's cost in that share, in output tokens (docs/flow-control.md
+    # says how it was measured).
+    fair_prompt_token_cost: float = Field(default=0.1, ge=0)
+    # Seats beyond max_num_seqs for a waiting tenant with none running: one tenant's flood
+    # never keeps another tenant's request waiting for a seat to free (0: none).
+    fair_headroom_seqs: int = Field(default=4, ge=0)
+    # Once that headroom is taken, a waiting tenant with none running preempts (to recompute
+    # later) the newest sequence of the tenant furthest over its share (decision 0034).
+    fair_preempt: bool = False
     enable_prefix_caching: bool = True
     # torch's threads in an engine process. 0: torch's default (every core); -1: every core
     # but one, for a worker that shares its machine with the rest of the fleet (its event

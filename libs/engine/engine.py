@@ -42,7 +42,14 @@ from libs.engine.kv_transfer import KvBlocks
 from libs.engine.loader import load_model
 from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import GenerationChunk, Resume
-from libs.engine.params import FinishReason, LogprobEntry, Priority, SamplingParams, TokenLogprob
+from libs.engine.params import (
+    FinishReason,
+    LogprobEntry,
+    Priority,
+    SamplingParams,
+    Tenant,
+    TokenLogprob,
+)
 from libs.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import SeqStatus, Sequence
@@ -79,6 +86,7 @@ class _Request:
     grammar: str | None = None  # llguidance grammar text every choice follows
     matchers: list[Any] = field(default_factory=list)  # unused fresh matchers of grammar
     prediction: list[int] = field(default_factory=list)  # predicted output's tokens
+    tenant: Tenant = field(default_factory=Tenant)  # every choice is served as it
 
 
 class LLMEngine:
@@ -174,6 +182,7 @@ class LLMEngine:
         grammar: str | None = None,
         matchers: Seq[Any] = (),
         prediction: Seq[int] = (),
+        tenant: Tenant | None = None,
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
@@ -182,7 +191,8 @@ class LLMEngine:
         reported in the next step's output. ``grammar``: llguidance grammar text (from
         ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
         of it made off this thread (choices without one get a new one here). ``prediction``:
-        the tokens of the request's predicted output, proposed first by the speculator."""
+        the tokens of the request's predicted output, proposed first by the speculator.
+        ``tenant``: who the request is served as in the scheduler's fair share."""
         if resume is not None and sampling.n != 1:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
@@ -196,7 +206,9 @@ class LLMEngine:
         check_logit_bias(sampling, vocab)
         if grammar is not None and self.grammars is None:
             raise BackendError("invalid_request", "this engine has no tokenizer for grammars")
-        req = _Request(request_id, sampling, [], grammar, list(matchers), list(prediction))
+        req = _Request(
+            request_id, sampling, [], grammar, list(matchers), list(prediction), tenant or Tenant()
+        )
         seq = self._new_sequence(req, 0, list(prompt_token_ids), priority)
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -243,6 +255,8 @@ class LLMEngine:
             num_prompt_tokens=len(prompt),
             sampling=sampling,
             priority=priority,
+            tenant=req.tenant.name,
+            weight=req.tenant.weight,
             generator=generator,
             detokenizer=detok,
             matcher=matcher,

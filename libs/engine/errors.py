@@ -27,6 +27,10 @@ ErrorCode = Literal[
     "timeout",
     "internal_error",
     "worker_lost",
+    # Flow control (docs/flow-control.md): the tenant has flow.max_waiting requests waiting
+    # already; the request waited past its queue deadline.
+    "over_share",
+    "deadline_exceeded",
 ]
 
 

@@ -55,7 +55,20 @@ MAX_PREDICTION_CHARS = 262_144
 TOOL_NAME_CHARS = "A-Za-z0-9_-"
 MAX_TOOL_NAME = 64
 
-Priority = Literal["interactive", "batch"]
+# A request's band: every queue serves interactive, then standard, then batch requests
+# (docs/flow-control.md); a tenant's entry caps the band it may use.
+Priority = Literal["interactive", "standard", "batch"]
+PRIORITY_BANDS: tuple[Priority, ...] = ("interactive", "standard", "batch")  # best first
+
+
+class Tenant(msgspec.Struct, frozen=True):
+    """Who a request is served as in the engine's fair share of tokens (libs/flow/fair.py)
+    and its weight there; the fleet names it (libs/flow/tenant.py)."""
+
+    name: str = ""
+    weight: float = 1.0
+
+
 # "tool_calls": the choice ended with tool calls (TokenDelta.tool_calls), as OpenAI's.
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 ToolChoice = Literal["none", "auto", "required"]

@@ -3,7 +3,12 @@
 Called by :meth:`libs.engine.engine.LLMEngine.step` once per step; owns the waiting and running
 queues. Policy:
 
-- order is priority class (interactive before batch), then arrival (FCFS within a class);
+- order is priority band (interactive, standard, batch), then, with ``engine.fair_share``,
+  the tenant's weighted count of tokens served (:class:`libs.flow.fair.FairShare`, charged
+  with every token a step runs), then arrival;
+- a waiting tenant with no sequence running gets a seat while ``max_num_seqs`` are taken, up
+  to ``fair_headroom_seqs`` more, and then (``fair_preempt``) by preempting the sequence last
+  in that order, so one tenant's flood never keeps another's first request waiting for a seat;
 - running sequences are served first, in that order: a decoding one gets 1 token, a
   prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
   ``max_num_batched_tokens``;
@@ -11,7 +16,8 @@ queues. Policy:
   running and newly admitted sequences together) are further capped so that the step's
   predicted time stays under it (``StepCostModel.prefill_budget``: decode rows first, prompts
   get the rest of the target, at least ``min_prefill_tokens``);
-- when blocks run out, the last sequence in that order is preempted (blocks freed, put back to
+- when blocks run out, the last sequence in that order (the tenant furthest over its share)
+  is preempted (blocks freed, put back to
   waiting; it is recomputed later, keeping the tokens it already produced);
 - waiting sequences are then admitted in order while the budget, ``max_num_seqs`` and free
   blocks allow, reusing prefix-cache hits; an interactive arrival may preempt running batch
@@ -28,13 +34,13 @@ per decode": a decoding sequence with proposed tokens (``Sequence.spec_tokens``,
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from libs.engine.config import EngineSettings
 from libs.engine.kv_manager import KvManager
 from libs.engine.sequence import SeqStatus, Sequence
 from libs.engine.step_cost import PrefillBudget, StepCostModel
+from libs.flow.fair import FairShare
 
 
 @dataclass(slots=True)
@@ -99,16 +105,23 @@ class Scheduler:
         self.min_prefill_tokens = settings.min_prefill_tokens
         self.batch_yields_to_prompts = settings.batch_yields_to_prompts
         self.cost = cost if cost is not None else StepCostModel()
-        # Heap of (sort key, seq); aborted entries are skipped lazily (status FINISHED).
-        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []
+        self.fair = (
+            FairShare(prompt_cost=settings.fair_prompt_token_cost) if settings.fair_share else None
+        )
+        self.headroom = settings.fair_headroom_seqs if settings.fair_share else 0
+        self.fair_preempt = settings.fair_share and settings.fair_preempt
+        # Waiting sequences, unordered (``_order`` picks; the queue is at most the worker's
+        # max_waiting plus the preempted); aborted ones are dropped lazily (status FINISHED).
+        self._waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0
 
     # ------------------------------------------------------------------ queues
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, s in self._waiting if not s.is_finished)
+        return sum(1 for s in self._waiting if not s.is_finished)
 
     @property
     def num_running(self) -> int:
@@ -120,7 +133,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (new, forked or preempted) as waiting."""
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        if self.fair is not None and not seq.in_share:
+            self.fair.enter(seq.tenant, seq.weight)
+            seq.in_share = True
+        self._waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted ``seq`` out of the running queue and free its blocks."""
@@ -128,11 +144,55 @@ class Scheduler:
             self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
+        if self.fair is not None and seq.in_share:
+            self.fair.leave(seq.tenant)
+            seq.in_share = False
+
+    def _order(self, seq: Sequence) -> tuple[int, float, int, int]:
+        """Scheduling order: band, the tenant's counter (with fair share), arrival, choice."""
+        counter = self.fair.counter(seq.tenant) if self.fair is not None else 0.0
+        return (seq.priority_class, counter, seq.arrival, seq.index)
 
     def _peek_waiting(self) -> Sequence | None:
-        while self._waiting and self._waiting[0][1].is_finished:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][1] if self._waiting else None
+        if any(s.is_finished for s in self._waiting):
+            self._waiting = [s for s in self._waiting if not s.is_finished]
+        return min(self._waiting, key=self._order, default=None)
+
+    def _unseated(self) -> Sequence | None:
+        """The first waiting sequence, in order, of a tenant with no sequence running."""
+        seated = {s.tenant for s in self.running}
+        return min(
+            (s for s in self._waiting if not s.is_finished and s.tenant not in seated),
+            key=self._order,
+            default=None,
+        )
+
+    def _next_admission(self) -> Sequence | None:
+        """The waiting sequence to admit next, if it may have a seat. With fair share, a
+        tenant with no sequence running goes first in its band (its first request never waits
+        behind another tenant's queue), while ``max_num_seqs`` plus ``fair_headroom_seqs`` seats are
+        not taken; then the first in order while ``max_num_seqs`` are not."""
+        head = self._peek_waiting()
+        if self.fair is not None and len(self.running) < self.max_num_seqs + self.headroom:
+            new = self._unseated()
+            if new is not None and head is not None and new.priority_class <= head.priority_class:
+                return new
+        return head if len(self.running) < self.max_num_seqs else None
+
+    def _preempt_for_unseated(self, out: SchedulerOutput) -> None:
+        """``fair_preempt``: every seat and the headroom are taken and a tenant with none
+        running waits: preempt the running sequence last in order (the newest of the tenant
+        furthest over its share, in the lowest band) unless its band is above the waiting
+        one's or it is its tenant's only seat."""
+        if not self.fair_preempt or len(self.running) < self.max_num_seqs + self.headroom:
+            return
+        new, last = self._unseated(), self.running[-1]
+        if new is None or last.priority_class < new.priority_class:
+            return
+        if sum(1 for s in self.running if s.tenant == last.tenant) < 2:
+            return
+        self.num_fair_preemptions += 1
+        self._preempt(self.running[-1], out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -147,8 +207,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self.running.sort(key=Sequence.sort_key)
+        self.running.sort(key=self._order)
         self._make_room_for_interactive(out)
+        self._preempt_for_unseated(out)
         # Running is sorted by class: batch-class sequences sitting out are its tail.
         batch_sits_out = self._batch_sits_out()
         budget = self.max_num_batched_tokens
@@ -158,7 +219,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if batch_sits_out and seq.priority_class > 0:
+            if batch_sits_out and seq.is_batch:
                 break
             n = min(seq.num_uncomputed_tokens, self.chunk, budget)
             if seq.num_uncomputed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
@@ -182,9 +243,9 @@ class Scheduler:
             budget -= n + len(spec)
             i += 1
 
-        while budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
-            new = self._peek_waiting()
-            if new is None or (batch_sits_out and new.priority_class > 0):
+        while budget > 0 and not out_of_blocks:
+            new = self._next_admission()
+            if new is None or (batch_sits_out and new.is_batch):
                 break
             hits = self.kv.find_prefix(new)
             cached = len(hits) * self.kv.block_size
@@ -193,7 +254,7 @@ class Scheduler:
                 break
             if not self.kv.can_admit(hits, cached + n):
                 break
-            heapq.heappop(self._waiting)
+            self._waiting.remove(new)
             self.kv.admit(new, hits, n)
             if new.num_preemptions == 0:  # first admission (a resumed handoff has output)
                 new.num_cached_tokens = cached
@@ -202,7 +263,19 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(new, n, start=new.num_computed_tokens))
             budget -= n
             prompt_left -= n
+        self._charge(out)
         return out
+
+    def _charge(self, out: SchedulerOutput) -> None:
+        """Count this step's tokens to their tenants: prompt chunks (and recomputes) as prompt
+        tokens, a decoding row and its proposals as output tokens."""
+        if self.fair is None:
+            return
+        for s in out.scheduled:
+            if s.num_new_tokens > 1 or s.seq.num_output_tokens == 0:
+                self.fair.charge(s.seq.tenant, prompt_tokens=s.num_new_tokens)
+            else:
+                self.fair.charge(s.seq.tenant, output_tokens=s.num_new_tokens + len(s.spec))
 
     def decode_rows(self, batch: bool = True) -> int:
         """Rows the running decoding sequences take next step (each one plus its proposals);
@@ -210,7 +283,7 @@ class Scheduler:
         return sum(
             1 + len(s.spec_tokens)
             for s in self.running
-            if s.num_uncomputed_tokens == 1 and (batch or s.priority_class == 0)
+            if s.num_uncomputed_tokens == 1 and (batch or not s.is_batch)
         )
 
     def _prompt_allowance(self, out: SchedulerOutput, batch_sits_out: bool = False) -> int:
@@ -226,7 +299,7 @@ class Scheduler:
             (
                 s.num_computed_tokens
                 for s in self.running
-                if s.num_uncomputed_tokens > 1 and not (batch_sits_out and s.priority_class > 0)
+                if s.num_uncomputed_tokens > 1 and not (batch_sits_out and s.is_batch)
             ),
             0,
         )
@@ -245,16 +318,17 @@ class Scheduler:
         if not self.batch_yields_to_prompts:
             return False
         head = self._peek_waiting()
-        if head is not None and head.priority_class == 0:
+        if head is not None and not head.is_batch:
             return True
-        return any(s.priority_class == 0 and s.is_prefilling for s in self.running)
+        return any(not s.is_batch and s.is_prefilling for s in self.running)
 
     def _make_room_for_interactive(self, out: SchedulerOutput) -> None:
-        """Preempt running batch-class work while an interactive arrival cannot get in."""
+        """Preempt running batch-class work while an interactive or standard arrival cannot
+        get in."""
         head = self._peek_waiting()
-        if head is None:
+        if head is None or head.is_batch:
             return
-        while self.running and self.running[-1].priority_class > head.priority_class:
+        while self.running and self.running[-1].is_batch:
             hits = self.kv.find_prefix(head)
             first = len(hits) * self.kv.block_size + min(
                 head.num_tokens - len(hits) * self.kv.block_size, self.chunk

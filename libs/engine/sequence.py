@@ -24,10 +24,17 @@ from typing import Any
 import torch
 
 from libs.engine.detokenizer import IncrementalDetokenizer
-from libs.engine.params import FinishReason, LogprobEntry, Priority, SamplingParams
+from libs.engine.params import (
+    PRIORITY_BANDS,
+    FinishReason,
+    LogprobEntry,
+    Priority,
+    SamplingParams,
+)
 
 # Scheduling class of each priority: lower runs first.
-PRIORITY_CLASS: dict[str, int] = {"interactive": 0, "batch": 1}
+PRIORITY_CLASS: dict[str, int] = {band: i for i, band in enumerate(PRIORITY_BANDS)}
+BATCH_CLASS = PRIORITY_CLASS["batch"]
 
 _arrival = itertools.count()
 
@@ -48,6 +55,12 @@ class Sequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     priority: Priority = "interactive"
+    # Who the request is served as and its weight (libs/flow: the scheduler's fair share of
+    # tokens between tenants); "" is one anonymous tenant.
+    tenant: str = ""
+    weight: float = 1.0
+    # Counted in the scheduler's fair share (from its first queueing to its removal).
+    in_share: bool = False
     # Per-choice random generator when the request has a seed (reproducible whatever the batch).
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
@@ -91,6 +104,10 @@ class Sequence:
     @property
     def priority_class(self) -> int:
         return PRIORITY_CLASS[self.priority]
+
+    @property
+    def is_batch(self) -> bool:
+        return self.priority_class == BATCH_CLASS
 
     @property
     def num_tokens(self) -> int:

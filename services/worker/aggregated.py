@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from libs.backend import PreparedPrompt, Resume
+from libs.flow.tenant import engine_tenant
 from libs.protocol import Assignment, HandoffOffer, Routed, Usage
 from libs.stream_writer import StreamWriter
 from libs.tools import ToolCallCollector, ToolSpec, constraint_kind
@@ -123,7 +124,9 @@ class AggregatedWorker(Worker):
                 return
             tokens = self.settings.worker.batch_delta_tokens
             hold = DeltaHold(tokens) if req.priority == "batch" and tokens > 1 else None
-            gen = self.backend.generate(key, prompt, req.sampling, req.priority, start.resume)
+            gen = self.backend.generate(
+                key, prompt, req.sampling, req.priority, start.resume, engine_tenant(req)
+            )
             async for chunk in gen:
                 now = time.perf_counter()
                 if ttft is None and (chunk.token_ids or chunk.finish_reason):

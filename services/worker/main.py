@@ -52,8 +52,13 @@ def build_backend(settings: Settings) -> Backend:
         from libs.fake_engine import FakeBackend
 
         log.warning("using the FAKE backend (load tests only)", extra=fields(pool=pool.name))
+        eng = settings.engine
         return FakeBackend(
-            settings.fake_engine, model_name=pool.model, capacity=settings.engine.max_num_seqs
+            settings.fake_engine,
+            model_name=pool.model,
+            capacity=eng.max_num_seqs,
+            headroom=eng.fair_headroom_seqs if eng.fair_share else 0,
+            prompt_cost=eng.fair_prompt_token_cost,
         )
     return engine_backend(settings, pool)
 

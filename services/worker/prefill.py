@@ -40,6 +40,7 @@ from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_transfer import KvBlocks, split, tail
 from libs.engine.kv_transfer import encode as encode_kv
+from libs.flow.tenant import engine_tenant
 from libs.kv_cache_client import chunk_limit
 from libs.log import fields
 from libs.nats_util import publish_chunks
@@ -133,7 +134,9 @@ class PrefillWorker(Worker):
             # token from the same logits, as an aggregated worker would.
             many = req.sampling.n > 1
             one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
-            res = await self.engine.prefill(key, prompt, one, req.priority, replayed)
+            res = await self.engine.prefill(
+                key, prompt, one, req.priority, replayed, engine_tenant(req)
+            )
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
             metrics.TTFT.labels(priority=req.priority).observe(prefill_s)
