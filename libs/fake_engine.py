@@ -21,8 +21,7 @@ from typing import Literal
 from libs.engine.checks import check_prompt
 from libs.engine.errors import BackendError
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
-from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
-from libs.engine.sequence import PRIORITY_CLASS
+from libs.engine.params import PRIORITY_BANDS, ChatMessage, Priority, SamplingParams, Tenant
 from libs.flow.fair import FairShare
 from libs.flow.gate import FairGate
 from libs.settings import FakeEngineSettings
@@ -170,7 +169,7 @@ class FakeBackend:
         skip = len(resume.replayed) if resume is not None else 0
         self._waiting += 1
         try:
-            await self._gate.acquire(who.name, who.weight, PRIORITY_CLASS[priority])
+            await self._gate.acquire(who.name, who.weight, PRIORITY_BANDS.index(priority))
         finally:
             self._waiting -= 1
         self._running[request_id] = len(prompt.token_ids)

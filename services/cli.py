@@ -32,6 +32,7 @@ from pathlib import Path
 
 import msgspec
 
+from libs.engine.params import PRIORITY_BANDS
 from libs.settings import Settings, get_settings
 
 SERVICES = ("gateway", "router", "worker", "prefill", "decode", "cache", "planner", "batch")
@@ -129,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _limit_arguments(p: argparse.ArgumentParser, section: str) -> None:
-    """--rpm / --tpm, defaulting to ``<section>.default_rpm`` / ``default_tpm``."""
+    """--rpm / --tpm, defaulting to ``<section>.default_rpm`` / ``default_tpm``; and the flow
+    control terms (docs/flow-control.md): --weight, --max-waiting, --priority."""
     for flag, what in (("rpm", "requests"), ("tpm", "tokens")):
         p.add_argument(
             f"--{flag}",
@@ -137,6 +139,21 @@ def _limit_arguments(p: argparse.ArgumentParser, section: str) -> None:
             default=None,
             help=f"{what} per minute (default: {section}.default_{flag})",
         )
+    p.add_argument(
+        "--weight", type=float, default=None, help="weight in the fair share of tokens (default 1)"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="most requests waiting for a pool before over_share / 429 (default: flow.max_waiting)",
+    )
+    p.add_argument(
+        "--priority",
+        choices=PRIORITY_BANDS,
+        default=None,
+        help="the best band its requests may use (default: interactive, any)",
+    )
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -145,7 +162,14 @@ def _keys(args: argparse.Namespace) -> int:
     settings = get_settings()
     if args.action == "create":
         key_id, secret = asyncio.run(
-            keydb.create_key(settings, args.name, args.rpm, args.tpm, team=args.team)
+            keydb.create_key(
+                settings,
+                args.name,
+                args.rpm,
+                args.tpm,
+                team=args.team,
+                terms=keydb.FlowTerms(args.weight, args.max_waiting, args.priority),
+            )
         )
         print(f"id:     {key_id}\nsecret: {secret}\n(the secret is shown only now)")
     elif args.action == "list":
@@ -173,7 +197,14 @@ def _teams(settings: Settings, args: argparse.Namespace) -> int:
             print(sf.config_text(frozenset(args.staged)), end="")
             return 0
         if args.action == "add":
-            team = sf.store.add(args.name, args.rpm, args.tpm)
+            team = sf.store.add(
+                args.name,
+                args.rpm,
+                args.tpm,
+                args.weight or 1.0,
+                args.max_waiting,
+                args.priority or "interactive",
+            )
             revoked: list[str] = []
         else:
             team = sf.store.revoke(args.name)

@@ -358,6 +358,8 @@ ERRORS: dict[str, str] = {
     "timeout": "reserved for the fleet; the client raises it for its own first-token/idle limits",
     "internal_error": "worker: an unexpected failure while generating",
     "worker_lost": "router: the request's worker was lost and the request cannot move (`router.max_attempts` reached, `n` > 1 mid-stream, a disaggregated pool mid-stream); worker: shut down mid-request past its drain deadline",
+    "over_share": "router (flow control, docs/flow-control.md): the request's tenant already has its bound of requests waiting for the pool (`flow.max_waiting`, or its team's / key's `max_waiting`); retry after `retry_after_s`",
+    "deadline_exceeded": "router (flow control): the request waited for room in its pool past its deadline (`queue_timeout_s`, else `flow.queue_timeout_s`, from `created_at`)",
 }  # fmt: skip
 
 MESSAGE_TABLES: list[type[Any]] = [

@@ -86,6 +86,19 @@ class WorkerLost(Retryable):
     code = "worker_lost"
 
 
+class OverShare(Retryable):
+    """The team already has its bound of requests waiting for the pool (flow control,
+    docs/flow-control.md): retry after ``retry_after_s``."""
+
+    code = "over_share"
+
+
+class DeadlineExceeded(StraitError):
+    """The request waited for room past its queue deadline (``queue_timeout_s``)."""
+
+    code = "deadline_exceeded"
+
+
 class FleetUnavailable(Retryable):
     """The request could not be queued: NATS is down or no JetStream stream takes the subject."""
 
@@ -126,6 +139,8 @@ ERROR_CLASSES: dict[str, type[StraitError]] = {
     "timeout": Timeout,
     "internal_error": InternalError,
     "worker_lost": WorkerLost,
+    "over_share": OverShare,
+    "deadline_exceeded": DeadlineExceeded,
 }
 
 

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from sqlalchemy import select, update
 
 from libs.db import Database
 from libs.db.models import ApiKey
-from libs.protocol import valid_team
+from libs.engine.params import PRIORITY_BANDS
+from libs.protocol import Priority, valid_team
 from libs.settings import Settings
 
 SECRET_PREFIX = "sk-strait-"
@@ -34,6 +35,15 @@ _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**12, 8, 1
 
 
 @dataclass(frozen=True)
+class FlowTerms:
+    """A key's terms in flow control (docs/flow-control.md); None: the defaults."""
+
+    weight: float | None = None
+    max_waiting: int | None = None
+    priority: Priority | None = None
+
+
+@dataclass(frozen=True)
 class KeyRecord:
     key_id: str
     name: str
@@ -42,6 +52,9 @@ class KeyRecord:
     revoked: bool
     secret_hash: str = ""  # the stored hash the secret was checked against
     team: str | None = None  # the team (docs/security.md) its requests bill as
+    terms: FlowTerms = field(
+        default_factory=FlowTerms
+    )  # flow control's weight, waiting bound, best band
 
 
 def hash_secret(secret: str, salt: bytes | None = None) -> str:
@@ -90,10 +103,18 @@ def new_secret() -> tuple[str, str]:
 
 
 async def insert_key(
-    db: Database, name: str, rpm: int | None, tpm: int | None, team: str | None = None
+    db: Database,
+    name: str,
+    rpm: int | None,
+    tpm: int | None,
+    team: str | None = None,
+    terms: FlowTerms | None = None,
 ) -> tuple[str, str]:
     if team is not None and not valid_team(team):
         raise ValueError(f"team name {team!r} must match [a-z][a-z0-9_-]{{0,31}}")
+    terms = terms or FlowTerms()
+    if terms.weight is not None and terms.weight <= 0:
+        raise ValueError(f"weight must be > 0, not {terms.weight}")
     key_id, secret = new_secret()
     async with db.session() as s, s.begin():
         s.add(
@@ -104,6 +125,9 @@ async def insert_key(
                 rpm=rpm,
                 tpm=tpm,
                 team=team,
+                weight=terms.weight,
+                max_waiting=terms.max_waiting,
+                priority=terms.priority,
                 created_at=datetime.now(UTC),
             )
         )
@@ -126,7 +150,9 @@ async def find_key(db: Database, secret: str, proven: str | None = None) -> KeyR
     ):
         return None
     revoked = row.revoked_at is not None
-    return KeyRecord(row.id, row.name, row.rpm, row.tpm, revoked, row.secret_hash, row.team)
+    priority = row.priority if row.priority in PRIORITY_BANDS else None
+    terms = FlowTerms(row.weight, row.max_waiting, priority)  # type: ignore[arg-type]
+    return KeyRecord(row.id, row.name, row.rpm, row.tpm, revoked, row.secret_hash, row.team, terms)
 
 
 async def mark_revoked(db: Database, key_id: str) -> bool:
@@ -150,6 +176,9 @@ async def all_keys(db: Database) -> list[dict[str, Any]]:
             "rpm": r.rpm,
             "tpm": r.tpm,
             "team": r.team,
+            "weight": r.weight,
+            "max_waiting": r.max_waiting,
+            "priority": r.priority,
             "created_at": r.created_at.isoformat(),
             "revoked_at": r.revoked_at.isoformat() if r.revoked_at else None,
         }
@@ -172,12 +201,14 @@ async def create_key(
     rpm: int | None = None,
     tpm: int | None = None,
     team: str | None = None,
+    terms: FlowTerms | None = None,
 ) -> tuple[str, str]:
     """A new key; returns (key id, secret). The secret is never stored and never shown again.
-    With ``team``, the key's requests are billed and limited as that team."""
+    With ``team``, the key's requests are billed and limited as that team (and flow control
+    takes the team's terms from the teams file); ``terms``: the key's own otherwise."""
     db = await _open(settings)
     try:
-        return await insert_key(db, name, rpm, tpm, team)
+        return await insert_key(db, name, rpm, tpm, team, terms)
     finally:
         await db.close()
 

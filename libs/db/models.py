@@ -36,6 +36,11 @@ class ApiKey(Base):
     tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The team (docs/security.md) the key's requests are billed and limited as.
     team: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Flow control (docs/flow-control.md): weight in the fair share (None: 1), most requests
+    # waiting for a pool (None: flow.max_waiting), best band its requests may use (None: any).
+    weight: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_waiting: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    priority: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

@@ -21,7 +21,7 @@ import msgspec
 import nacl.signing
 import nkeys
 
-from libs.protocol import valid_team
+from libs.protocol import Priority, valid_team
 
 
 class Team(msgspec.Struct, kw_only=True):
@@ -29,6 +29,12 @@ class Team(msgspec.Struct, kw_only=True):
     public_key: str  # the team user's nkey ("U..."), as nats-server's config names it
     rpm: int | None = None  # requests per minute; None: teams.default_rpm
     tpm: int | None = None  # tokens per minute (prompt + output); None: teams.default_tpm
+    # Flow control (docs/flow-control.md): the team's weight in the fair share of tokens, the
+    # most of its requests that may wait for a pool (None: flow.max_waiting), and the best
+    # band its requests may use (a better one asked for is served in this one).
+    weight: float = 1.0
+    max_waiting: int | None = None
+    priority: Priority = "interactive"
     created_at: float = msgspec.field(default_factory=time.time)
     revoked_at: float | None = None
 
@@ -110,7 +116,15 @@ class TeamStore:
             self.save(tf)
         return tf
 
-    def add(self, name: str, rpm: int | None = None, tpm: int | None = None) -> Team:
+    def add(
+        self,
+        name: str,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        weight: float = 1.0,
+        max_waiting: int | None = None,
+        priority: Priority = "interactive",
+    ) -> Team:
         """A new team with a fresh key (its seed written to ``seed_file(name)``). A revoked
         team's name can be added again: it gets a new key; the old one stays refused."""
         if not valid_team(name):
@@ -123,7 +137,17 @@ class TeamStore:
         if old is not None and old.active:
             raise TeamError(f"team {name!r} exists; revoke it first to issue a new key")
         seed = new_user_seed()
-        team = Team(name=name, public_key=public_key_of(seed), rpm=rpm, tpm=tpm)
+        if weight <= 0:
+            raise TeamError(f"weight must be > 0, not {weight}")
+        team = Team(
+            name=name,
+            public_key=public_key_of(seed),
+            rpm=rpm,
+            tpm=tpm,
+            weight=weight,
+            max_waiting=max_waiting,
+            priority=priority,
+        )
         tf.teams = [t for t in tf.teams if t.name != name] + [team]
         _write_secret(self.seed_file(name), seed)
         self.save(tf)

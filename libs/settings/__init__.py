@@ -14,6 +14,7 @@ from libs.settings.engine import (
     model_identity,
 )
 from libs.settings.fleet import FleetSettings, PoolSettings
+from libs.settings.flow import FlowSettings
 from libs.settings.gateway import BatchSettings, GatewaySettings
 from libs.settings.planner import PlannerSettings, PoolPlanSettings
 from libs.settings.process import RuntimeSettings, TelemetrySettings
@@ -34,6 +35,7 @@ __all__ = [
     "EngineSettings",
     "FakeEngineSettings",
     "FleetSettings",
+    "FlowSettings",
     "GatewaySettings",
     "HandoffSettings",
     "ModelsSettings",

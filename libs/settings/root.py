@@ -26,6 +26,7 @@ from pydantic_settings import (
 from libs.settings.cache import CacheSettings
 from libs.settings.engine import EngineSettings
 from libs.settings.fleet import FleetSettings, PoolSettings
+from libs.settings.flow import FlowSettings
 from libs.settings.gateway import BatchSettings, GatewaySettings
 from libs.settings.planner import PlannerSettings
 from libs.settings.process import RuntimeSettings, TelemetrySettings
@@ -61,6 +62,8 @@ class Settings(BaseSettings):
     """The router (`strait router`, docs/router.md): pool choice, placement, re-placement."""
     teams: TeamsSettings = Field(default_factory=TeamsSettings)
     """Teams on NATS (docs/security.md), whose limits the router enforces."""
+    flow: FlowSettings = Field(default_factory=FlowSettings)
+    """Flow control between tenants (docs/flow-control.md): waiting bounds and deadlines."""
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     """A worker process (`strait decode`, `strait prefill`): its identity, beats and drain."""
     handoff: HandoffSettings = Field(default_factory=HandoffSettings)

@@ -7,8 +7,10 @@ salted hashes (see ``libs.db`` for the database-backed store).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from libs.db.keys import FlowTerms
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,9 @@ class KeyInfo:
     rpm: int | None = None  # requests per minute; None: the gateway default
     tpm: int | None = None  # tokens per minute; None: the gateway default
     team: str | None = None  # the team (docs/security.md) the key bills as
+    terms: FlowTerms = field(
+        default_factory=FlowTerms
+    )  # flow control's weight, waiting bound, best band
 
 
 class KeyStore(Protocol):

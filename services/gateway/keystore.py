@@ -67,7 +67,7 @@ class DatabaseKeyStore:
                 self._proven.popitem(last=False)
         info = None
         if rec is not None and not rec.revoked:
-            info = KeyInfo(rec.key_id, rec.name, rec.rpm, rec.tpm, rec.team)
+            info = KeyInfo(rec.key_id, rec.name, rec.rpm, rec.tpm, rec.team, rec.terms)
         self._verdicts[digest] = (info, now + self.ttl_s)
         self._verdicts.move_to_end(digest)
         while len(self._verdicts) > MAX_ENTRIES:

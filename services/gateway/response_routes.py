@@ -43,7 +43,7 @@ from services.gateway.response_output import (
     whole_response,
 )
 from services.gateway.responses import ResponseCreate, new_response_id
-from services.gateway.translate import DEFAULT_CHAT_MAX_TOKENS
+from services.gateway.translate import DEFAULT_CHAT_MAX_TOKENS, with_key_terms
 
 
 class Begin(Protocol):
@@ -139,6 +139,7 @@ def install_response_routes(
             tool_name=tool_name,
             parallel_tool_calls=body.parallel_tool_calls is not False,
         )
+        req = with_key_terms(req, key)
         fields = OpenAIFields("responses")
         checked(req, fields)
         shape = ResponseShape(body, response_id, body.model, store)

@@ -102,7 +102,7 @@ class ResponseCreate(_Strict):
     previous_response_id: str | None = Field(default=None, max_length=128)
     user: str | None = Field(default=None, max_length=256)
     # Strait extension: scheduling class.
-    priority: Literal["interactive", "batch"] = "interactive"
+    priority: Literal["interactive", "standard", "batch"] = "interactive"
     # Accepted without effect, as on chat: bookkeeping for OpenAI's own platform.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     safety_identifier: str | None = Field(default=None, max_length=256)

@@ -188,7 +188,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     # Strait extension: scheduling class.
-    priority: Literal["interactive", "batch"] = "interactive"
+    priority: Literal["interactive", "standard", "batch"] = "interactive"
     # Extensions vLLM users pass: generate past EOS (benchmarks), and extra stop token ids.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)

@@ -4,6 +4,9 @@ engine's input check (``services/gateway/fields.py``) before it is published."""
 
 from __future__ import annotations
 
+import msgspec
+
+from libs.flow.tenant import capped
 from libs.protocol import GenerateRequest, Priority, SamplingParams
 from services.gateway.auth import KeyInfo
 from services.gateway.errors import ApiError
@@ -33,6 +36,19 @@ def sampling_of(
         raise ApiError(400, str(e), "invalid_request", param) from None
 
 
+def with_key_terms(req: GenerateRequest, key: KeyInfo) -> GenerateRequest:
+    """``req`` under its key's flow-control terms (docs/flow-control.md): weight, waiting
+    bound, and its band capped at the best the key may use. A key of a team takes the team's
+    terms from the teams file in the router instead."""
+    t = key.terms
+    return msgspec.structs.replace(
+        req,
+        tenant_weight=t.weight,
+        tenant_max_waiting=t.max_waiting,
+        priority=capped(req.priority, t.priority),
+    )
+
+
 def chat_request(
     body: ChatCompletionRequest, key: KeyInfo, request_id: str, priority: Priority
 ) -> GenerateRequest:
@@ -56,7 +72,7 @@ def chat_request(
         tool_name=tool_name,
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    return checked(req, fields_of(body))
+    return checked(with_key_terms(req, key), fields_of(body))
 
 
 def text_request(
@@ -81,4 +97,4 @@ def text_request(
         user=body.user,
         want_route=True,
     )
-    return checked(req, fields_of(body))
+    return checked(with_key_terms(req, key), fields_of(body))

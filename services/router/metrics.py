@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.flow.labels import TenantLabels
+
 DECISIONS = Counter("strait_router_decisions_total", "Routing decisions", ["pool", "reason"])
 DECISION_SECONDS = Histogram(
     "strait_router_decision_seconds",
@@ -72,4 +74,41 @@ HOLD_SECONDS = Histogram(
     "strait_router_hold_seconds",
     "Time a held request waited for a worker with room",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+)
+
+# Flow control (docs/flow-control.md): tenants as label values, bounded by
+# flow.max_tenant_labels (``configure_tenant_labels`` at start; later tenants read "other").
+_tenant_labels = TenantLabels(32)
+
+
+def configure_tenant_labels(limit: int) -> None:
+    global _tenant_labels
+    _tenant_labels = TenantLabels(limit)
+
+
+def tenant_label(tenant: str) -> str:
+    return _tenant_labels(tenant)
+
+
+TENANT_HELD = Gauge(
+    "strait_router_tenant_held",
+    "Requests held for room in a pool, by tenant (flow control's queue depth)",
+    ["pool", "tenant"],
+)
+TENANT_TOKENS = Counter(
+    "strait_router_tenant_output_tokens_total",
+    "Output tokens streamed to requests this router placed, by pool and tenant",
+    ["pool", "tenant"],
+)
+TENANT_COUNTER = Gauge(
+    "strait_router_tenant_counter",
+    "A tenant's fair-share counter in a pool at its last placement (virtual tokens: served "
+    "over weight)",
+    ["pool", "tenant"],
+)
+FLOW_REFUSED = Counter(
+    "strait_router_flow_refused_total",
+    "Requests ended by flow control: over_share (the tenant's waiting bound) or "
+    "deadline_exceeded (its queue deadline)",
+    ["pool", "tenant", "code"],
 )

@@ -34,6 +34,7 @@ from libs.telemetry import inject_headers
 from services.deadletter import dead_letter
 from services.router import metrics
 from services.router.decision import Rejection
+from services.router.flow import TenantFlow
 from services.router.teams import TeamPolicy
 from services.router.watch import StreamWatch
 
@@ -49,6 +50,7 @@ class Replies:
     cfg: RouterSettings
     watch: StreamWatch
     teams: TeamPolicy
+    flow: TenantFlow
 
     def stream_subject(self, req: GenerateRequest) -> str:
         return req.reply_subject or self.subjects.stream(req.request_id)
@@ -105,10 +107,17 @@ class Replies:
             await self.js.publish(self.subjects.event("route"), encode(ev), timeout=1.0)
         except Exception as e:  # the event stream is for observers; never block routing on it
             log.warning("route event publish failed", extra=fields(error=repr(e)))
+        tenant, counter = self.flow.describe(req)
+        if counter is not None:
+            metrics.TENANT_COUNTER.labels(pool=route.pool, tenant=metrics.tenant_label(tenant)).set(
+                counter
+            )
         log.info(
             "routed",
             extra=fields(
                 request_id=req.key,
+                tenant=tenant,
+                tenant_counter=None if counter is None else round(counter, 1),
                 pool=route.pool,
                 worker_id=route.worker_id,
                 reason=route.code,
@@ -125,9 +134,18 @@ class Replies:
     async def reply_error(self, req: GenerateRequest, r: Rejection) -> None:
         """End ``req``'s stream with a typed error (after whatever it already carried)."""
         metrics.REJECTED.labels(code=r.code).inc()
-        log.info("rejected", extra=fields(request_id=req.request_id, code=r.code, error=r.message))
+        tenant, _ = self.flow.describe(req)
+        if r.code in ("over_share", "deadline_exceeded"):
+            label = metrics.tenant_label(tenant)
+            pool = self.flow.pool_of(req)
+            metrics.FLOW_REFUSED.labels(pool=pool, tenant=label, code=r.code).inc()
+        log.info(
+            "rejected",
+            extra=fields(request_id=req.request_id, tenant=tenant, code=r.code, error=r.message),
+        )
         seq = self.watch.next_seq(req.key)
         await self.watch.forget(req.key)
+        self.flow.ended(req, None)  # when the watch did not hold it (already ended: a no-op)
         err = ErrorMessage(
             seq=seq,
             request_id=req.request_id,

@@ -46,6 +46,7 @@ from nats.js import JetStreamContext
 
 from libs.log import fields
 from libs.protocol import (
+    Finished,
     GenerateRequest,
     Migration,
     ProtocolError,
@@ -67,7 +68,8 @@ from services.router.decision import (
     Rejection,
     span_attributes,
 )
-from services.router.holds import Holds
+from services.router.flow import TenantFlow
+from services.router.holds import HeldRequest, Holds, Refused
 from services.router.moves import Moves
 from services.router.placement import CostWeights, rank
 from services.router.prefix import PrefixHashers
@@ -111,8 +113,10 @@ class Router(Holds, Moves, Replies):
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
         self.teams = TeamPolicy(settings)
+        self.flow = TenantFlow(settings)
+        metrics.configure_tenant_labels(settings.flow.max_tenant_labels)
         self.watch = StreamWatch(
-            nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.teams.finished
+            nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.stream_ended
         )
         self._tracer = tracer("strait.router")
         # Requests waiting for a worker to come to their pool, by pool (bounded by
@@ -122,9 +126,14 @@ class Router(Holds, Moves, Replies):
         self.waiting: dict[str, int] = {}
         self.slots: asyncio.Semaphore | None = None
         # Requests held while every worker of their pool is full, by pool, oldest first
-        # (``hold_while_full``): (token, monotonic time it was held).
-        self.held: dict[str, list[tuple[object, float]]] = {}
+        # (``hold_while_full``).
+        self.held: dict[str, list[HeldRequest]] = {}
         self.held_arrivals: dict[str, int] = {}  # by pool, since the last RouterBeat
+
+    def stream_ended(self, req: GenerateRequest, final: Finished | None) -> None:
+        """The watch forgot ``req`` (its stream ended): its team's usage, its tenant's share."""
+        self.teams.finished(req, final)
+        self.flow.ended(req, final)
 
     # ------------------------------------------------------------ pool choice
 
@@ -332,6 +341,7 @@ class Router(Holds, Moves, Replies):
         try:
             req = self.teams.attribute(decode(msg.data, GenerateRequest), msg.subject)
             validate_request(req)
+            req = self.teams.with_terms(req)
         except ProtocolError as e:
             await self._reject_malformed(msg, e)
             await msg.ack()
@@ -396,7 +406,12 @@ class Router(Holds, Moves, Replies):
             await self.hold_batch(req, keepalive, held)
         held_s = None
         if attempt == 1 and req.priority != "batch" and migration is None and not pool:
-            held_s = await self.hold_while_full(req, keepalive, held)
+            try:
+                held_s = await self.hold_while_full(req, keepalive, held)
+            except Refused as r:
+                await self.reply_error(req, r.rejection)
+                return None
+        self.flow.placed(req)
         t_decide = time.monotonic()
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         # It waited for a worker to come (or come back): the ones it found are new arrivals,
@@ -437,6 +452,8 @@ class Router(Holds, Moves, Replies):
                 if watched:
                     self.watch.assigned(req.key, route, attempt, bool(decision.decode_workers))
                 await self.record(req, route, decision.decide_s)
+                if not watched:  # its end is never seen: out of the tenant's count at once
+                    self.flow.ended(req, None)
                 return route
             self.registry.on_refused(route.worker_id, reserved)
             if answer is None:

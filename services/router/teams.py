@@ -25,10 +25,11 @@ from pathlib import Path
 
 import msgspec
 
+from libs.flow.tenant import capped
 from libs.log import fields
 from libs.protocol import ErrorCode, Finished, GenerateRequest, Subjects
 from libs.ratelimit import RateLimiter, Refusal, reserve_estimate
-from libs.security.teams import TeamsFile
+from libs.security.teams import Team, TeamsFile
 from libs.settings import Settings
 
 log = logging.getLogger("strait.router")
@@ -54,6 +55,7 @@ class TeamPolicy:
         # request key → (team, tokens reserved by admit), until finished (oldest dropped first).
         self.reserved: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.limits: dict[str, tuple[int | None, int | None]] = {}
+        self.terms: dict[str, Team] = {}  # active teams' entries (flow control's terms)
         self.revoked: set[str] = set()
         self._mtime: float | None = None
         self._checked = float("-inf")
@@ -78,6 +80,7 @@ class TeamPolicy:
                 log.warning("teams file unreadable; keeping the last", extra=fields(error=str(e)))
                 return
         self.limits = {t.name: (t.rpm, t.tpm) for t in tf.active()}
+        self.terms = {t.name: t for t in tf.active()}
         self.revoked = {t.name for t in tf.teams if not t.active}
         log.info("teams loaded", extra=fields(active=len(self.limits), revoked=len(self.revoked)))
 
@@ -108,6 +111,25 @@ class TeamPolicy:
             origin=team,
             api_key_id=None,
             reply_subject=self.subjects.team_stream(team, req.request_id),
+        )
+
+    def with_terms(self, req: GenerateRequest) -> GenerateRequest:
+        """``req`` under its team's flow-control terms (weight, waiting bound, best band) when
+        the teams file has an entry for it; a team's own request never keeps the weight or
+        bound it wrote itself."""
+        if req.team is None:
+            return req
+        self.reload()
+        entry = self.terms.get(req.team)
+        if entry is None:
+            if req.origin is None:
+                return req  # the gateway's or an internal client's terms stand
+            return msgspec.structs.replace(req, tenant_weight=None, tenant_max_waiting=None)
+        return msgspec.structs.replace(
+            req,
+            tenant_weight=entry.weight,
+            tenant_max_waiting=entry.max_waiting,
+            priority=capped(req.priority, entry.priority),
         )
 
     def admit(self, req: GenerateRequest) -> int | TeamRefusal:

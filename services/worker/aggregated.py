@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from libs.backend import PreparedPrompt, Resume
-from libs.flow.tenant import engine_tenant
+from libs.flow.tenant import engine_tenant, tenant_of
 from libs.protocol import Assignment, HandoffOffer, Routed, Usage
 from libs.stream_writer import StreamWriter
 from libs.tools import ToolCallCollector, ToolSpec, constraint_kind
@@ -125,14 +125,16 @@ class AggregatedWorker(Worker):
             tokens = self.settings.worker.batch_delta_tokens
             hold = DeltaHold(tokens) if req.priority == "batch" and tokens > 1 else None
             gen = self.backend.generate(
-                key, prompt, req.sampling, req.priority, start.resume, engine_tenant(req)
+                key, prompt, req.sampling, req.priority, start.resume, tenant=engine_tenant(req)
             )
             async for chunk in gen:
                 now = time.perf_counter()
                 if ttft is None and (chunk.token_ids or chunk.finish_reason):
                     ttft = ttft_offset + now - started
                     span.add_event("first_token")
-                    metrics.TTFT.labels(priority=req.priority).observe(ttft)
+                    metrics.TTFT.labels(req.priority, metrics.tenant_label(tenant_of(req))).observe(
+                        ttft
+                    )
                     if handoff is None:
                         # A migrated request's replayed output is recomputed like prompt.
                         computed = usage.prompt_tokens + len(replayed)
@@ -148,7 +150,7 @@ class AggregatedWorker(Worker):
                 elif chunk.token_ids and chunk.index == 0:
                     # A step that kept speculated tokens delivers several at once: each of
                     # them waited its share.
-                    itl = metrics.ITL.labels(priority=req.priority)
+                    itl = metrics.ITL.labels(req.priority, metrics.tenant_label(tenant_of(req)))
                     for _ in chunk.token_ids:
                         itl.observe((now - last_token_at) / len(chunk.token_ids))
                 if chunk.token_ids and chunk.index == 0:

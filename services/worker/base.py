@@ -73,6 +73,7 @@ class Worker:
         self.nc = nc
         self.settings = settings
         self.backend = backend
+        metrics.configure_tenant_labels(settings.flow.max_tenant_labels)
         self.pool = settings.worker.pool
         self.role = settings.worker.role
         self.worker_id = worker_id or settings.worker.worker_id or default_worker_id(self.pool)

@@ -40,7 +40,7 @@ from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_transfer import KvBlocks, split, tail
 from libs.engine.kv_transfer import encode as encode_kv
-from libs.flow.tenant import engine_tenant
+from libs.flow.tenant import engine_tenant, tenant_of
 from libs.kv_cache_client import chunk_limit
 from libs.log import fields
 from libs.nats_util import publish_chunks
@@ -139,7 +139,9 @@ class PrefillWorker(Worker):
             )
             chunk = res.chunk
             prefill_s = time.perf_counter() - started
-            metrics.TTFT.labels(priority=req.priority).observe(prefill_s)
+            metrics.TTFT.labels(req.priority, metrics.tenant_label(tenant_of(req))).observe(
+                prefill_s
+            )
             # Local and imported hits (a migration's replayed output is computed like prompt).
             usage.cached_tokens = min(chunk.num_cached_tokens, usage.prompt_tokens)
             self.count_prompt(usage.prompt_tokens + len(replayed), chunk.num_cached_tokens)

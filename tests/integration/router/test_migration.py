@@ -308,7 +308,7 @@ class WedgedBackend(FakeBackend):
         super().__init__(settings, model_name="fake-model")
         self.after = after
 
-    async def generate(self, request_id, prompt, sampling, priority, resume=None):  # type: ignore[no-untyped-def, override]
+    async def generate(self, request_id, prompt, sampling, priority, resume=None, tenant=None):  # type: ignore[no-untyped-def, override]
         n = 0
         async for chunk in super().generate(request_id, prompt, sampling, priority, resume):
             yield chunk

@@ -27,6 +27,7 @@ def settings(limit: int = 0, hold_max_s: float = 30.0, max_pool_queue: int = 512
     s.router.hold_max_s = hold_max_s
     s.router.sweep_interval_s = 0.01
     s.router.max_pool_queue = max_pool_queue
+    s.flow.min_in_flight = 0  # one tenant here: its first request waits too (test_flow_holds)
     return s
 
 
