@@ -487,7 +487,7 @@ async def client_main(args: argparse.Namespace) -> None:
 
 
 # Every capacity bound far above a load bench's (and auth, cache off): the fleet's limits
-# never shape what a FAKE-engine bench measures. bench/chaos.py uses it too.
+# never shape what a FAKE-engine bench measures. bench/chaos/ uses it too.
 UNBOUNDED = 1_000_000
 UNBOUNDED_GATEWAY = f"""
 [gateway]
