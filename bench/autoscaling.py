@@ -48,6 +48,7 @@ from typing import Any
 import msgspec
 
 from bench import traces
+from bench.stats import nearest_rank
 from bench.support.up import strait_up
 from libs.client import StraitClient
 from libs.nats_util import connect
@@ -300,13 +301,6 @@ def run_one(
     return run
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(int(q * len(s)), len(s) - 1)]
-
-
 def seconds(run: Run) -> list[dict[str, Any]]:
     """One row a second: arrivals, serving and draining workers, waiting, target, forecast."""
     end = int(max([r.t for r in run.reqs] + [t for t, _ in run.beats] + [0.0])) + 1
@@ -347,9 +341,9 @@ def summarize(run: Run, slo: PoolPlanSettings, burst: tuple[float, float] | None
         "mode": run.mode,
         "fleet": run.workers,
         "requests": len(run.reqs),
-        "ttft_p50_s": quantile(ttfts, 0.5),
-        "ttft_p99_s": quantile(ttfts, 0.99),
-        "itl_p99_s": quantile(gaps, 0.99),
+        "ttft_p50_s": nearest_rank(ttfts, 0.5),
+        "ttft_p99_s": nearest_rank(ttfts, 0.99),
+        "itl_p99_s": nearest_rank(gaps, 0.99),
         "within_slo": within / len(run.reqs),
         "worker_s": worker_s,
         "standby": run.standby,

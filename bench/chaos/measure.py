@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.chaos.fleet import DISAGG_ENGINE, ROUTE_RETRY, Fleet, Opts, Rows
 from bench.chaos.load import Load, fetch_references, reference
+from bench.stats import nearest_rank
 from libs.nats_util import server_urls
 
 STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
@@ -49,11 +50,6 @@ async def router_consumer(
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else None
 
 
 async def measure(
@@ -171,9 +167,9 @@ async def measure(
         "ended_by_fault": sorted(fleet.expected_dead),
         "open_at_fault": len(silence),
         "stalled": len(stall),
-        "stall_s": [pct(stall, 0.5), max(stall) if stall else None],
-        "silence_p50_s": pct(silence, 0.5),
-        "ttft_after_s": [pct(ttft, 0.5), max(ttft) if ttft else None],
+        "stall_s": [nearest_rank(stall, 0.5), max(stall) if stall else None],
+        "silence_p50_s": nearest_rank(silence, 0.5),
+        "ttft_after_s": [nearest_rank(ttft, 0.5), max(ttft) if ttft else None],
         "gateway_migrations_metric": gw_metric,
         "router_migrations_logged": router_log["migrating request of a lost worker"],
         "router_replaced_logged": router_log["re-placing request"],

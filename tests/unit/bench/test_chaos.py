@@ -12,7 +12,7 @@ from bench.chaos.campaign import table
 from bench.chaos.faults import malformed_payloads
 from bench.chaos.fleet import Opts, PrivatePostgres, parse_metric
 from bench.chaos.load import Call, Load, reference
-from bench.chaos.measure import ledger_vs_events, pct
+from bench.chaos.measure import ledger_vs_events
 from bench.support.nats_servers import NatsCluster
 from libs.protocol import GenerateRequest, ProtocolError, UsageEvent, decode
 
@@ -34,10 +34,12 @@ def test_parse_metric_sums_labelled_samples_and_skips_longer_names() -> None:
     assert parse_metric(text, "absent") == 0.0
 
 
-def test_pct() -> None:
-    assert pct([], 0.5) is None
-    assert pct([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert pct([3.0, 1.0, 2.0], 1.0) == 3.0
+def test_nearest_rank() -> None:
+    from bench.stats import nearest_rank
+
+    assert nearest_rank([], 0.5) is None
+    assert nearest_rank([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert nearest_rank([3.0, 1.0, 2.0], 1.0) == 3.0
 
 
 def test_malformed_payloads_are_refused_by_the_decoder() -> None:
