@@ -38,12 +38,7 @@ import math
 import os
 import platform
 import random
-import signal
-import socket
 import sqlite3
-import subprocess
-import sys
-import tempfile
 import time
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -53,6 +48,8 @@ from typing import Any
 import msgspec
 
 from bench import traces
+from bench.stats import nearest_rank
+from bench.support.up import strait_up
 from libs.client import StraitClient
 from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
@@ -245,12 +242,6 @@ def lead_in(items: list[traces.Arrival], seconds: float, window_s: float) -> lis
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ledger_ok(state: Path) -> int:
     """Rows with status ok in the fleet's SQLite ledger (-1: none found)."""
     for db in state.rglob("*.db"):
@@ -277,80 +268,37 @@ def run_one(
     scaling = mode in ("reactive", "planner")
     workers = {"peak": peak_n, "mean": mean_n}.get(mode, first_n)
     standby = min(args.standby, peak_n - 1) if scaling else 0
-    tmp = Path(tempfile.mkdtemp(prefix=f"strait-as-{trace}-{mode}-"))
-    (tmp / "strait.toml").write_text(
-        CONFIG.format(
-            slots=args.slots,
-            per_token_s=cost.per_token_s,
-            per_row_s=cost.per_row_s,
-            per_prompt_token_s=cost.per_prompt_token_s,
-            planner="true" if scaling else "false",
-            policy="reactive" if mode == "reactive" else "forecast",
-            reactive_queue=args.reactive_queue,
-            standby=standby,
-            horizon_s=args.horizon_s,
-            utilization=args.planner_utilization or PlannerSettings().target_utilization,
-            forecast_z=PlannerSettings().forecast_z if args.forecast_z is None else args.forecast_z,
-            down_cooldown_s=args.down_cooldown_s,
-            down_stable_s=args.down_stable_s,
-            budget_window_s=args.budget_window_s,
-            max_replicas=peak_n,
-            service_s=round(sizing.service_s, 3),
-            workers=workers,
-            model=args.real or "fake-model",
-            backend="engine" if args.real else "fake",
-            models_dir=(ROOT / ".strait" / "models").as_posix(),
-        )
+    config = CONFIG.format(
+        slots=args.slots,
+        per_token_s=cost.per_token_s,
+        per_row_s=cost.per_row_s,
+        per_prompt_token_s=cost.per_prompt_token_s,
+        planner="true" if scaling else "false",
+        policy="reactive" if mode == "reactive" else "forecast",
+        reactive_queue=args.reactive_queue,
+        standby=standby,
+        horizon_s=args.horizon_s,
+        utilization=args.planner_utilization or PlannerSettings().target_utilization,
+        forecast_z=PlannerSettings().forecast_z if args.forecast_z is None else args.forecast_z,
+        down_cooldown_s=args.down_cooldown_s,
+        down_stable_s=args.down_stable_s,
+        budget_window_s=args.budget_window_s,
+        max_replicas=peak_n,
+        service_s=round(sizing.service_s, 3),
+        workers=workers,
+        model=args.real or "fake-model",
+        backend="engine" if args.real else "fake",
+        models_dir=(ROOT / ".strait" / "models").as_posix(),
     )
-    nats_port, gw_port = free_port(), free_port()
-    url, prefix = f"nats://127.0.0.1:{nats_port}", "asbench.v1"
-    env = dict(os.environ)
-    env.update(
-        STRAIT_CONFIG=str(tmp / "strait.toml"),
-        NATS_URL=url,
-        STRAIT_NATS__SUBJECT_PREFIX=prefix,
-        STRAIT_STATE_DIR=str(tmp / "state"),
-        STRAIT_GATEWAY__PORT=str(gw_port),
-        STRAIT_TELEMETRY__LOG_JSON="false",
-        STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
-        STRAIT_SUPERVISOR__METRICS_PORT="0",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("DATABASE_URL", None)
-    log = tmp / "up.log"
     run = Run(trace, mode, workers if not scaling else peak_n, standby=standby)
-    with open(log, "wb") as out:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up"], env=env, stdout=out, stderr=out
-        )
-    try:
-        deadline = time.monotonic() + args.start_timeout_s
-        while "fleet ready" not in log.read_text():
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{trace}/{mode}: fleet did not start:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.2)
+    with strait_up(config, "asbench.v1", f"as-{trace}-{mode}", args.start_timeout_s) as up:
         # Let the planner's warm-up (two beat TTLs) pass before the trace starts.
         time.sleep(args.lead_s)
         lead = lead_in(items, args.warm_s, args.window_s)
-        asyncio.run(replay(url, prefix, lead, items, run, args.warm_s, args.settle_s))
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-    run.ledger_ok = ledger_ok(tmp / "state")
-    print(f"  fleet log: {log}", flush=True)
+        asyncio.run(replay(up.url, up.prefix, lead, items, run, args.warm_s, args.settle_s))
+    run.ledger_ok = ledger_ok(up.dir / "state")
+    print(f"  fleet log: {up.log}", flush=True)
     return run
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(int(q * len(s)), len(s) - 1)]
 
 
 def seconds(run: Run) -> list[dict[str, Any]]:
@@ -393,9 +341,9 @@ def summarize(run: Run, slo: PoolPlanSettings, burst: tuple[float, float] | None
         "mode": run.mode,
         "fleet": run.workers,
         "requests": len(run.reqs),
-        "ttft_p50_s": quantile(ttfts, 0.5),
-        "ttft_p99_s": quantile(ttfts, 0.99),
-        "itl_p99_s": quantile(gaps, 0.99),
+        "ttft_p50_s": nearest_rank(ttfts, 0.5),
+        "ttft_p99_s": nearest_rank(ttfts, 0.99),
+        "itl_p99_s": nearest_rank(gaps, 0.99),
         "within_slo": within / len(run.reqs),
         "worker_s": worker_s,
         "standby": run.standby,

@@ -70,6 +70,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.stats import nearest_rank
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
 
@@ -83,13 +85,6 @@ def raise_nofile() -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def pct(values: array | list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 # ============================================================================ load client
@@ -470,13 +465,13 @@ async def client_main(args: argparse.Namespace) -> None:
         "first_wave_s": warm,
         "chunks_per_read": st.chunks / st.reads if st.reads else None,
         "req_per_s": st.requests / took,
-        "ttft_ms": [(pct(st.ttft, q) or 0) * ms for q in (0.5, 0.99)],
-        "gap_ms": [(pct(st.gaps, q) or 0) * ms for q in (0.5, 0.99)],
-        "added_ms": [(pct(st.added, q) or 0) * ms for q in (0.5, 0.99, 0.999)]
+        "ttft_ms": [(nearest_rank(st.ttft, q) or 0) * ms for q in (0.5, 0.99)],
+        "gap_ms": [(nearest_rank(st.gaps, q) or 0) * ms for q in (0.5, 0.99)],
+        "added_ms": [(nearest_rank(st.added, q) or 0) * ms for q in (0.5, 0.99, 0.999)]
         if st.added
         else None,
         "added_n": len(st.added),
-        "burst": [pct(st.burst, q) for q in (0.5, 0.99)] if st.burst else None,
+        "burst": [nearest_rank(st.burst, q) for q in (0.5, 0.99)] if st.burst else None,
         "errors": dict(st.errors),
         "client_cpu_pct": 100 * cpu / took,
     }
@@ -487,7 +482,7 @@ async def client_main(args: argparse.Namespace) -> None:
 
 
 # Every capacity bound far above a load bench's (and auth, cache off): the fleet's limits
-# never shape what a FAKE-engine bench measures. bench/chaos.py uses it too.
+# never shape what a FAKE-engine bench measures. bench/chaos/ uses it too.
 UNBOUNDED = 1_000_000
 UNBOUNDED_GATEWAY = f"""
 [gateway]

@@ -19,21 +19,18 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 
+from bench.support.up import strait_up
 from libs.client import StraitClient
 from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import NatsSettings
-from services.supervisor.nats_server import nats_server_binary, port_open
+
+START_TIMEOUT_S = 120.0  # for `strait up` to say "fleet ready"
 
 CONFIG = """
 [gateway]
@@ -193,68 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-s", type=float, default=1.0)
     p.add_argument("--horizon-s", type=float, default=10.0)
     args = p.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="strait-planner-"))
-    (tmp / "strait.toml").write_text(
-        CONFIG.format(
-            slots=args.slots,
-            per_token_s=args.per_token_s,
-            interval_s=args.interval_s,
-            bucket_s=args.bucket_s,
-            horizon_s=args.horizon_s,
-            max_replicas=args.max_replicas,
-            standby=args.standby,
-            ttft_slo_s=args.ttft_slo_s,
-            service_s=args.tokens * args.per_token_s,
-        )
+    config = CONFIG.format(
+        slots=args.slots,
+        per_token_s=args.per_token_s,
+        interval_s=args.interval_s,
+        bucket_s=args.bucket_s,
+        horizon_s=args.horizon_s,
+        max_replicas=args.max_replicas,
+        standby=args.standby,
+        ttft_slo_s=args.ttft_slo_s,
+        service_s=args.tokens * args.per_token_s,
     )
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nats_port = s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        gw_port = s.getsockname()[1]
-    url = f"nats://127.0.0.1:{nats_port}"
-    prefix = "planbench.v1"
-    env = dict(os.environ)
-    env.update(
-        STRAIT_CONFIG=str(tmp / "strait.toml"),
-        NATS_URL=url,
-        STRAIT_NATS__SUBJECT_PREFIX=prefix,
-        STRAIT_STATE_DIR=str(tmp / "state"),
-        STRAIT_GATEWAY__PORT=str(gw_port),
-        STRAIT_TELEMETRY__LOG_JSON="false",
-        STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
-        STRAIT_SUPERVISOR__METRICS_PORT="0",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("DATABASE_URL", None)
-    assert nats_server_binary()
-    log = tmp / "up.log"
-    with open(log, "wb") as out:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up"], env=env, stdout=out, stderr=out
-        )
     try:
-        deadline = time.monotonic() + 120
-        while "fleet ready" not in log.read_text():
-            if up.poll() is not None or time.monotonic() > deadline:
-                print(log.read_text()[-3000:])
-                return 1
-            time.sleep(0.2)
-        assert port_open("127.0.0.1", nats_port)
-        tl = Timeline(time.monotonic())
-        asyncio.run(run_load(args, url, prefix, tl))
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        with strait_up(config, "planbench.v1", "planner", START_TIMEOUT_S) as up:
+            tl = Timeline(time.monotonic())
+            asyncio.run(run_load(args, up.url, up.prefix, tl))
+    except RuntimeError as e:
+        print(e)
+        return 1
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     report(args, tl, machine)
-    print(f"fleet log: {log}")
+    print(f"fleet log: {up.log}")
     return 0
 
 

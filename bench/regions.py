@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from bench.chaos import reference
+from bench.chaos.load import reference
 from bench.support.regions import Call, RegionFleet, Supercluster, chat, fake_config
 
 

@@ -23,20 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from bench.support.services import free_port
+from bench.support.up import Up, strait_up
 
 PER_TOKEN_S = 0.05
 MAX_TOKENS = 160
@@ -47,6 +42,7 @@ ROUTER_SPREAD_S = 4.0
 ROUTER_KILL_AT_S = 1.5
 READY_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 180.0
+LOG_JSON = {"STRAIT_TELEMETRY__LOG_JSON": "true"}
 
 FLEET = f"""
 [gateway]
@@ -120,66 +116,13 @@ async def stream(client: httpx.AsyncClient, base: str, prompt: str) -> Stream:
     return s
 
 
-@dataclass
-class Up:
-    """`strait up` with the FAKE fleet in a directory of its own, on free ports."""
-
-    tmp: Path
-    proc: subprocess.Popen[bytes] | None = None
-    gw_port: int = field(default_factory=free_port)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.gw_port}"
-
-    @property
-    def log(self) -> Path:
-        return self.tmp / "up.log"
-
-    def __enter__(self) -> Up:
-        (self.tmp / "strait.toml").write_text(FLEET)
-        env = dict(os.environ)
-        env.update(
-            STRAIT_CONFIG=str(self.tmp / "strait.toml"),
-            NATS_URL=f"nats://127.0.0.1:{free_port()}",
-            STRAIT_STATE_DIR=str(self.tmp / "state"),
-            STRAIT_GATEWAY__PORT=str(self.gw_port),
-            STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
-            STRAIT_SUPERVISOR__METRICS_PORT="0",
-            PYTHONUNBUFFERED="1",
-        )
-        env.pop("DATABASE_URL", None)
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "up"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.wait_log("fleet ready")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-    def wait_log(self, text: str, count: int = 1, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while self.log.read_text().count(text) < count:
-            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"no {text!r} in {self.log}:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
-
-    def child(self, command: str) -> psutil.Process:
-        assert self.proc is not None
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            if p.cmdline()[-1:] == [command]:
-                return p
-        raise SystemExit(f"no {command} process under strait up")
+def child(up: Up, command: str) -> psutil.Process:
+    """The process ``strait up`` runs as ``services.cli <command>`` (``worker``, ``router``)."""
+    for p in psutil.Process(up.proc.pid).children(recursive=True):
+        args = p.cmdline()
+        if "services.cli" in args and args[args.index("services.cli") + 1 :][:1] == [command]:
+            return p
+    raise SystemExit(f"no {command} process under strait up")
 
 
 async def wait_serving(base: str, timeout: float = READY_TIMEOUT_S) -> float:
@@ -203,17 +146,17 @@ async def wait_serving(base: str, timeout: float = READY_TIMEOUT_S) -> float:
 async def kill_worker(up: Up) -> dict[str, Any]:
     prompt = "the long answer"
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        reference = await stream(client, up.base, prompt)
+        reference = await stream(client, up.base_url, prompt)
         assert reference.ok, reference.error
-        running = asyncio.create_task(stream(client, up.base, prompt))
+        running = asyncio.create_task(stream(client, up.base_url, prompt))
         await asyncio.sleep(KILL_AFTER_S)
-        up.child("decode").kill()
+        child(up, "worker").kill()
         killed = time.monotonic()
 
         async def later(i: int) -> Stream:
             delay = BURST_FROM_S + i * (BURST_TO_S - BURST_FROM_S) / (BURST - 1)
             await asyncio.sleep(killed + delay - time.monotonic())
-            return await stream(client, up.base, f"sent during the restart {i}")
+            return await stream(client, up.base_url, f"sent during the restart {i}")
 
         burst_tasks = [asyncio.create_task(later(i)) for i in range(BURST)]
         await asyncio.to_thread(up.wait_log, "worker ready", 2, 60)
@@ -243,11 +186,11 @@ async def kill_router(up: Up, rounds: int) -> dict[str, Any]:
 
             async def one(i: int, r: int = r) -> Stream:
                 await asyncio.sleep(i * ROUTER_SPREAD_S / BURST)
-                return await stream(client, up.base, f"round {r} request {i}")
+                return await stream(client, up.base_url, f"round {r} request {i}")
 
             tasks = [asyncio.create_task(one(i)) for i in range(BURST)]
             await asyncio.sleep(ROUTER_KILL_AT_S)
-            up.child("router").kill()
+            child(up, "router").kill()
             results = await asyncio.gather(*tasks)
             await asyncio.to_thread(up.wait_log, "restarted router", r + 1, 90)
             slowest = max((s.end or 0) - s.sent for s in results)
@@ -260,7 +203,7 @@ async def kill_router(up: Up, rounds: int) -> dict[str, Any]:
                     "slowest_s": round(slowest, 2),
                 }
             )
-            await wait_serving(up.base)
+            await wait_serving(up.base_url)
     backoffs = [
         line.split("restarting ", 1)[1].split(" (", 1)[0]
         for line in up.log.read_text().splitlines()
@@ -271,14 +214,14 @@ async def kill_router(up: Up, rounds: int) -> dict[str, Any]:
 
 async def main_async(rounds: int) -> list[dict[str, Any]]:
     results = []
-    with tempfile.TemporaryDirectory(prefix="strait-restarts-") as d:
-        with Up(Path(d)) as up:
-            await wait_serving(up.base)
-            results.append(await kill_worker(up))
-            print(json.dumps(results[-1]), flush=True)
-            await wait_serving(up.base)
-            results.append(await kill_router(up, rounds))
-            print(json.dumps(results[-1]), flush=True)
+    # JSON logs, as `make run` writes them: the waits below count their lines.
+    with strait_up(FLEET, None, "restarts", READY_TIMEOUT_S, LOG_JSON) as up:
+        await wait_serving(up.base_url)
+        results.append(await kill_worker(up))
+        print(json.dumps(results[-1]), flush=True)
+        await wait_serving(up.base_url)
+        results.append(await kill_router(up, rounds))
+        print(json.dumps(results[-1]), flush=True)
     return results
 
 

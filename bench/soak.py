@@ -26,7 +26,9 @@ from typing import Any
 
 import psutil
 
-from bench.chaos import Fleet, Load, Opts, measure
+from bench.chaos.fleet import Fleet, Opts
+from bench.chaos.load import Load
+from bench.chaos.measure import measure
 
 WARMUP_S = 120.0  # growth is measured from the first sample after this
 

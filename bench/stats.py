@@ -27,6 +27,14 @@ def percentile_key(q: float) -> str:
     return f"p{text}"
 
 
+def nearest_rank(values: Iterable[float], q: float) -> float | None:
+    """The sorted values' element at rank ``int(q * n)`` (``q`` in [0, 1], clamped to the
+    last), None for no values: a tail read off the samples themselves, not interpolated (the
+    fleet benches' p99 of 100 requests is the 100th smallest)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` by linear interpolation (see module doc).
 

@@ -9,7 +9,7 @@ Workloads:
 
 - ``chat``: short everyday questions, short answers (32-128 output tokens).
 - ``chat-60w``: the same questions after a few sentences of the asker's background, about 60
-  words a prompt (what a chat user types; the tail-latency sitting's workload), 32-128 tokens.
+  words a prompt (what a chat user types; the tail-latency bench's workload), 32-128 tokens.
 - ``shared-prefix``: a long common system prompt (a company handbook of ``prefix_words`` words,
   the same for every request of a seed) followed by a varied question about it - the RAG-like
   shape that a prefix cache should speed up; short answers (32-96 tokens).
@@ -21,8 +21,11 @@ Workloads:
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 WORKLOADS: tuple[str, ...] = ("chat", "chat-60w", "shared-prefix", "code", "mixed")
 DEFAULT_PREFIX_WORDS = 600
@@ -59,246 +62,37 @@ class BenchRequest:
 
 
 # ---------------------------------------------------------------------------------------------
-# Phrase banks.
-
-_TASKS = (
-    "keep basil alive on a windowsill",
-    "fix a squeaky door hinge",
-    "get rid of fruit flies in the kitchen",
-    "make a sourdough starter from scratch",
-    "clean a cast iron pan without ruining it",
-    "fall asleep faster after a late coffee",
-    "prepare for a first half marathon",
-    "remove a red wine stain from a carpet",
-    "back up photos from an old phone",
-    "learn to touch type in a month",
-    "store fresh herbs so they last longer",
-    "plan a vegetable garden for a small balcony",
-    "write a polite reminder email to a landlord",
-    "choose a good pair of hiking boots",
-    "teach a dog to stop pulling on the leash",
-    "organise a cluttered garage in a weekend",
-)
-_PAIRS = (
-    ("baking soda", "baking powder"),
-    ("a virus", "a bacterium"),
-    ("weather", "climate"),
-    ("a lake", "a pond"),
-    ("an alligator", "a crocodile"),
-    ("a Roth IRA", "a traditional IRA"),
-    ("latitude", "longitude"),
-    ("espresso", "drip coffee"),
-    ("a comet", "an asteroid"),
-    ("RAM", "disk storage"),
-    ("jam", "jelly"),
-    ("a hurricane", "a typhoon"),
-)
-_CONCEPTS = (
-    "compound interest",
-    "how vaccines train the immune system",
-    "why the sky is blue",
-    "how a refrigerator keeps food cold",
-    "what inflation means for savings",
-    "how tides are caused by the moon",
-    "how noise cancelling headphones work",
-    "why bread rises",
-    "how a bill becomes law",
-    "what a carbon footprint is",
-)
-_ACTIVITIES = (
-    "a long train journey",
-    "working from home",
-    "hosting a dinner for eight people",
-    "a rainy weekend with kids",
-    "studying for an exam",
-    "cycling to work in winter",
-    "a first visit to a farmers market",
-    "camping in the mountains",
-)
-_CONTEXTS = (
-    "I am a complete beginner.",
-    "I only have about ten minutes.",
-    "Please keep it short.",
-    "My budget is quite tight.",
-    "I live in a small flat.",
-    "Explain it like I am twelve.",
-    "",
-    "",
-)
-
-_FIRST_NAMES = (
-    "Amara", "Bruno", "Chen", "Dalia", "Emeka", "Freya", "Gustavo", "Hana", "Idris", "Jonas",
-    "Keiko", "Lucia", "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Samir", "Tove",
-)  # fmt: skip
-_LAST_NAMES = (
-    "Okafor", "Lindqvist", "Moreau", "Tanaka", "Haddad", "Novak", "Fernandes", "Kowalski",
-    "Brennan", "Ivanova", "Mensah", "Schultz", "Delgado", "Park", "Rahman", "Whitfield",
-)  # fmt: skip
-_CITIES = (
-    "Lisbon", "Toronto", "Nairobi", "Osaka", "Tallinn", "Austin", "Lyon", "Melbourne",
-    "Bogota", "Krakow", "Dublin", "Singapore", "Porto", "Denver", "Seoul", "Accra",
-)  # fmt: skip
-_TEAMS = (
-    "billing", "onboarding", "data platform", "mobile", "security", "logistics", "design",
-    "customer success", "payments", "search", "infrastructure", "analytics",
-)  # fmt: skip
-_PRODUCT_WORDS = (
-    "Harbor", "Lumen", "Cobalt", "Fjord", "Ember", "Atlas", "Quarry", "Nimbus", "Sable", "Vista",
-)  # fmt: skip
-_PRODUCT_SUFFIXES = ("Sync", "Desk", "Flow", "Vault", "Pulse", "Board")
-_FEATURES = (
-    "unlimited shared workspaces",
-    "daily encrypted backups",
-    "single sign-on for every member",
-    "a dedicated support engineer",
-    "audit logs kept for two years",
-    "offline mode on mobile devices",
-    "priority access to new releases",
-    "custom domains and branding",
-    "usage reports by team",
-    "an uptime guarantee of 99.9 percent",
-)
-_POLICIES = (
-    ("refunds", "Refunds are granted within {n} days of purchase when the customer has used "
-     "less than a quarter of the included quota."),
-    ("urgent support tickets", "Support tickets marked urgent must receive a first reply "
-     "within {n} minutes during business hours."),
-    ("remote work", "Employees may work remotely up to {n} days per month after their first "
-     "quarter."),
-    ("deleting customer data", "Customer data is deleted {n} days after an account is closed "
-     "unless a legal hold applies."),
-    ("price changes", "Price changes are announced to existing customers at least {n} days "
-     "in advance."),
-    ("on-call rotations", "Each team reviews its on-call rotation every {n} weeks and "
-     "publishes the schedule."),
-)  # fmt: skip
-
-# Copy-heavy code edits: a small file and a change; the answer is the file again, changed.
-_CODE_FILES: tuple[tuple[str, str], ...] = (
-    (
-        "parse_duration",
-        """def parse_duration(text):
-    units = {"h": 3600, "m": 60, "s": 1}
-    total = 0
-    number = ""
-    for char in text.strip():
-        if char.isdigit():
-            number += char
-        elif char in units and number:
-            total += int(number) * units[char]
-            number = ""
-        else:
-            raise ValueError(f"bad duration: {text!r}")
-    if number:
-        raise ValueError(f"missing unit in {text!r}")
-    return total
-""",
-    ),
-    (
-        "merge_intervals",
-        """def merge_intervals(intervals):
-    ordered = sorted(intervals, key=lambda pair: pair[0])
-    merged = []
-    for start, end in ordered:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
+# Phrase banks (bench/data/workloads.json): everyday tasks, pairs and concepts to ask about, the
+# asker's contexts; names, cities, teams, products, features and policies for the handbook; and
+# for ``code``, small Python files with the edits to make to them.
 
 
-def total_covered(intervals):
-    return sum(end - start for start, end in merge_intervals(intervals))
-""",
-    ),
-    (
-        "word_frequencies",
-        """import string
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples the banks are (a bank of pairs: a tuple of tuples)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def word_frequencies(text):
-    counts = {}
-    table = str.maketrans("", "", string.punctuation)
-    for word in text.lower().translate(table).split():
-        counts[word] = counts.get(word, 0) + 1
-    return counts
-
-
-def top_words(text, limit=10):
-    counts = word_frequencies(text)
-    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-    return ranked[:limit]
-""",
-    ),
-    (
-        "rate_limiter",
-        """import time
-
-
-class RateLimiter:
-    def __init__(self, rate, burst):
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.updated = time.monotonic()
-
-    def allow(self, cost=1):
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return True
-        return False
-""",
-    ),
-    (
-        "binary_search_range",
-        """def first_index(values, target):
-    low, high = 0, len(values)
-    while low < high:
-        middle = (low + high) // 2
-        if values[middle] < target:
-            low = middle + 1
-        else:
-            high = middle
-    return low
-
-
-def search_range(values, target):
-    start = first_index(values, target)
-    if start == len(values) or values[start] != target:
-        return (-1, -1)
-    end = first_index(values, target + 1) - 1
-    return (start, end)
-""",
-    ),
-    (
-        "retry_with_backoff",
-        """import random
-import time
-
-
-def retry_with_backoff(operation, attempts=5, base_delay=0.1):
-    for attempt in range(attempts):
-        try:
-            return operation()
-        except Exception:
-            if attempt == attempts - 1:
-                raise
-            delay = base_delay * (2 ** attempt)
-            time.sleep(delay + random.uniform(0, delay))
-    return None
-""",
-    ),
-)
-_CODE_EDITS = (
-    "Add a one-line docstring to every function.",
-    "Add type annotations to every function signature.",
-    "Rename every local variable named `total` or `counts` or `merged` or `delay` or `middle` "
-    "to a longer, clearer name.",
-    "Add a comment above each loop saying what it does.",
-)
+_BANKS: dict[str, Any] = {
+    name: _tuples(bank)
+    for name, bank in json.loads(
+        (Path(__file__).parent / "data" / "workloads.json").read_text()
+    ).items()
+}
+_TASKS: tuple[str, ...] = _BANKS["tasks"]
+_PAIRS: tuple[tuple[str, str], ...] = _BANKS["pairs"]
+_CONCEPTS: tuple[str, ...] = _BANKS["concepts"]
+_ACTIVITIES: tuple[str, ...] = _BANKS["activities"]
+_CONTEXTS: tuple[str, ...] = _BANKS["contexts"]
+_FIRST_NAMES: tuple[str, ...] = _BANKS["first_names"]
+_LAST_NAMES: tuple[str, ...] = _BANKS["last_names"]
+_CITIES: tuple[str, ...] = _BANKS["cities"]
+_TEAMS: tuple[str, ...] = _BANKS["teams"]
+_PRODUCT_WORDS: tuple[str, ...] = _BANKS["product_words"]
+_PRODUCT_SUFFIXES: tuple[str, ...] = _BANKS["product_suffixes"]
+_FEATURES: tuple[str, ...] = _BANKS["features"]
+_POLICIES: tuple[tuple[str, str], ...] = _BANKS["policies"]  # topic, rule with an {n}
+_CODE_FILES: tuple[tuple[str, str], ...] = _BANKS["code_files"]  # name, source
+_CODE_EDITS: tuple[str, ...] = _BANKS["code_edits"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 model and serve it (``EngineSettings``, with its speculative decoding and structured-output
 parts), and the model id its KV blocks hash under (:func:`model_identity`).
 
-The fleet's settings (``libs/settings.py``) embed these as ``Settings.engine`` and a pool's
+The fleet's settings (``libs/settings/``) embed these as ``Settings.engine`` and a pool's
 overrides (``Settings.engine_for``) and hand the result to the engine; the engine reads nothing
 else. Field comments are the reference (``docs/engine.md`` explains the trade-offs).
 """

@@ -1,8 +1,8 @@
 """Background responses: ``POST /v1/responses`` with ``background: true``.
 
-``app.py`` answers the create at once with the response ``queued`` (already stored, with its
-conversation and an empty assistant turn, so ``GET`` and ``input_items`` work), then runs it
-here as a task of this gateway replica (``BackgroundRuns``). The stored status moves
+``routes/responses.py`` answers the create at once with the response ``queued`` (already
+stored, with its conversation and an empty assistant turn, so ``GET`` and ``input_items``
+work), then runs it here as a task of this gateway replica (``BackgroundRuns``). The stored status moves
 ``queued`` → ``in_progress`` (the first token came) → ``completed`` / ``incomplete`` /
 ``failed``, each step a ``ResponseStore.advance`` that writes only from the status the task
 expects: a ``cancel`` (``cancelled``) or a ``DELETE`` that lands first wins, and the task's
@@ -145,7 +145,7 @@ async def run_background(
     begin: Callable[[], Awaitable[tuple[CompletionRun, StreamMessage]]],
 ) -> None:
     """The task of one background response, already stored ``queued``. ``begin`` admits and
-    submits its request and waits for the first message (``app.py``'s ``begin``)."""
+    submits its request and waits for the first message (``Admission.begin``)."""
     body = shape.body
     response_id = body["id"]
     pending = pending_history(conversation)

@@ -1,33 +1,32 @@
-"""OpenAI's Files and Batch APIs: ``/v1/files`` and ``/v1/batches`` (docs/gateway.md#batch-api).
+"""OpenAI's Files and Batch APIs' objects and work (docs/gateway.md#batch-api); the routes are
+``routes/batches.py``.
 
 ``POST /v1/files`` keeps a JSONL file (purpose ``batch``) in the database; ``POST /v1/batches``
-checks every line of it, writes the batch row, then publishes one ``BatchLine`` a line on the
-JetStream batch stream under ``Nats-Msg-Id`` ``<batch_id>:<index>`` and moves the batch to
-``in_progress``. The batch runner (``batch_runner.py``) answers the lines; this module reads
-the rows it leaves. A batch found ``validating`` later (this process died publishing) is
-published again by a runner's sweep (``publish_lines`` is idempotent).
+checks every line of it (``check_lines``), writes the batch row, then publishes one
+``BatchLine`` a line on the JetStream batch stream under ``Nats-Msg-Id`` ``<batch_id>:<index>``
+(``publish_lines``) and moves the batch to ``in_progress``. The batch runner
+(``batch_runner.py``) answers the lines; the routes read the rows it leaves. A batch found
+``validating`` later (this process died publishing) is published again by a runner's sweep
+(``publish_lines`` is idempotent).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import time
 from datetime import UTC, datetime
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from libs.db.batches import BatchStore, Page
 from libs.db.models import BatchRow, StoredFile
-from libs.nats_util import batch_stream_config, ensure_stream, publish_acked
+from libs.nats_util import publish_acked
 from libs.protocol import BatchLine, Subjects, encode
 from libs.settings import Settings
-from services.gateway.deps import KeyDep
 from services.gateway.errors import ApiError
 
 # The endpoints a batch may run, as OpenAI names them.
@@ -203,7 +202,7 @@ async def publish_lines(
             batch.id,
             "failed",
             ["validating"],
-            errors=_errors(
+            errors=errors_object(
                 [
                     {
                         "code": "file_not_found",
@@ -230,218 +229,5 @@ async def publish_lines(
     return await store.set_status(batch.id, "in_progress", ["validating"])
 
 
-def _errors(data: list[dict[str, Any]]) -> dict[str, Any]:
+def errors_object(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
-
-
-def install_batch_routes(app: FastAPI, settings: Settings) -> None:
-    """The Files and Batch routes; ``app.state.batches`` is the ``BatchStore`` (the lifespan
-    sets it; None without a database: every route is a 400 naming the reason)."""
-    g, b = settings.gateway, settings.batch
-
-    def store() -> BatchStore:
-        s: BatchStore | None = app.state.batches
-        if s is None:
-            raise ApiError(
-                400,
-                "files and batches need the database (gateway.ledger_enabled or gateway.store_responses)",
-                "invalid_request",
-            )
-        return s
-
-    def limit_of(limit: int | None) -> int:
-        n = LIST_LIMIT_DEFAULT if limit is None else limit
-        if not 1 <= n <= LIST_LIMIT_MAX:
-            raise ApiError(
-                400, f"limit must be between 1 and {LIST_LIMIT_MAX}", "invalid_request", "limit"
-            )
-        return n
-
-    # ------------------------------------------------------------ files
-
-    @app.post("/v1/files")
-    async def create_file(request: Request, key: KeyDep) -> dict[str, Any]:
-        fields = parse_multipart(request.headers.get("content-type", ""), await request.body())
-        unknown = sorted(set(fields) - {"file", "purpose"})
-        if unknown:
-            name = unknown[0]
-            if name.startswith("expires_after"):
-                raise ApiError(
-                    400,
-                    "files here do not expire; expires_after is not supported",
-                    "unsupported_parameter",
-                    name,
-                )
-            raise ApiError(
-                400, f"Unrecognized request argument supplied: {name}", "invalid_request", name
-            )
-        if "file" not in fields:
-            raise ApiError(400, "file is required", "missing_required_parameter", "file")
-        purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
-        if purpose not in UPLOAD_PURPOSES:
-            raise ApiError(
-                400,
-                f"purpose {purpose!r} is not supported here; files are for the Batch API (purpose 'batch')",
-                "unsupported_parameter" if purpose else "missing_required_parameter",
-                "purpose",
-            )
-        filename, content = fields["file"]
-        if not content:
-            raise ApiError(400, "the file is empty", "invalid_request", "file")
-        row = await store().put_file(
-            new_id("file-"), key.key_id, purpose, filename or "upload.jsonl", content
-        )
-        return file_object(row)
-
-    @app.get("/v1/files")
-    async def list_files(
-        key: KeyDep,
-        purpose: str | None = None,
-        limit: int | None = None,
-        after: str | None = None,
-        order: str = "desc",
-    ) -> dict[str, Any]:
-        if order != "desc":
-            raise ApiError(
-                400, "only order=desc (newest first) is supported", "unsupported_parameter", "order"
-            )
-        page = await store().list_files(key.key_id, purpose, limit_of(limit), after)
-        return page_object(page, file_object)
-
-    async def owned_file(file_id: str, key_id: str) -> StoredFile:
-        f = await store().get_file(file_id, key_id)
-        if f is None:
-            raise ApiError(404, f"No such File object: {file_id}", "not_found", "id")
-        return f
-
-    @app.get("/v1/files/{file_id}")
-    async def get_file(file_id: str, key: KeyDep) -> dict[str, Any]:
-        return file_object(await owned_file(file_id, key.key_id))
-
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str, key: KeyDep) -> Response:
-        f = await owned_file(file_id, key.key_id)
-        return Response(f.content, media_type="application/jsonl")
-
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str, key: KeyDep) -> dict[str, Any]:
-        if not await store().delete_file(file_id, key.key_id):
-            raise ApiError(404, f"No such File object: {file_id}", "not_found", "id")
-        return {"id": file_id, "object": "file", "deleted": True}
-
-    # ------------------------------------------------------------ batches
-
-    @app.post("/v1/batches")
-    async def create_batch(body: BatchCreate, key: KeyDep) -> dict[str, Any]:
-        if body.output_expires_after is not None:
-            raise ApiError(
-                400,
-                "output files here do not expire; output_expires_after is not supported",
-                "unsupported_parameter",
-                "output_expires_after",
-            )
-        if body.completion_window != COMPLETION_WINDOW:
-            raise ApiError(
-                400,
-                f"completion_window {body.completion_window!r} cannot be met; the only window is {COMPLETION_WINDOW!r}",
-                "invalid_request",
-                "completion_window",
-            )
-        if body.endpoint not in BATCH_ENDPOINTS:
-            raise ApiError(
-                400,
-                f"endpoint {body.endpoint!r} is not served for batches; use one of {', '.join(BATCH_ENDPOINTS)}",
-                "unsupported_parameter",
-                "endpoint",
-            )
-        f = await store().get_file(body.input_file_id, key.key_id)
-        if f is None:
-            raise ApiError(
-                404, f"No such File object: {body.input_file_id}", "not_found", "input_file_id"
-            )
-        if f.purpose != "batch":
-            raise ApiError(
-                400,
-                f"file {f.id} has purpose {f.purpose!r}, not 'batch'",
-                "invalid_request",
-                "input_file_id",
-            )
-        lines, errors = check_lines(f.content, body.endpoint, b.max_lines)
-        now = time.time()
-        row = BatchRow(
-            id=new_id("batch_"),
-            api_key_id=key.key_id,
-            team=key.team,
-            endpoint=body.endpoint,
-            input_file_id=f.id,
-            status="validating",
-            total=len(lines),
-            completed=0,
-            failed=0,
-            body={"metadata": body.metadata, "expires_at": int(now + b.window_s)},
-            created_at=datetime.fromtimestamp(now, UTC),
-        )
-        if errors:
-            row.status, row.total = "failed", 0
-            listed = errors[: b.max_errors_listed]
-            row.body = {**row.body, "failed_at": int(now), "errors": _errors(listed)}
-            await store().add_batch(row)
-            return batch_object(row)
-        await store().add_batch(row)
-        js: JetStreamContext | None = app.state.fleet.js
-        if js is None:
-            raise ApiError(503, "the serving fleet is unavailable; retry shortly", "no_worker")
-        await ensure_stream(js, batch_stream_config(settings.nats, b.window_s, b.dedupe_window_s))
-        try:
-            await publish_lines(js, settings, store(), row)
-        except Exception as e:
-            # The batch stays validating; a runner's sweep publishes it again.
-            raise ApiError(
-                503,
-                f"could not queue the batch's lines ({e!r}); it is retried",
-                "no_worker",
-                retry_after_s=g.shed_retry_after_s,
-            ) from e
-        got = await store().get_batch(row.id, key.key_id)
-        assert got is not None
-        return batch_object(got)
-
-    @app.get("/v1/batches")
-    async def list_batches(
-        key: KeyDep, limit: int | None = None, after: str | None = None
-    ) -> dict[str, Any]:
-        page = await store().list_batches(key.key_id, limit_of(limit), after)
-        return page_object(page, batch_object)
-
-    async def owned_batch(batch_id: str, key_id: str) -> BatchRow:
-        row = await store().get_batch(batch_id, key_id)
-        if row is None:
-            raise ApiError(404, f"No such Batch object: {batch_id}", "not_found", "batch_id")
-        return row
-
-    @app.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str, key: KeyDep) -> dict[str, Any]:
-        return batch_object(await owned_batch(batch_id, key.key_id))
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str, key: KeyDep) -> dict[str, Any]:
-        row = await owned_batch(batch_id, key.key_id)
-        if row.status in ("cancelling", "cancelled"):
-            return batch_object(row)
-        if not await store().set_status(batch_id, "cancelling", ["validating", "in_progress"]):
-            raise ApiError(
-                409,
-                f"Cannot cancel a batch with status {row.status!r}.",
-                "invalid_request",
-                "batch_id",
-            )
-        js: JetStreamContext | None = app.state.fleet.js
-        if js is not None:
-            # Lines not yet taken leave the stream; a runner finalizes the batch (cancelled,
-            # with the files of the lines answered) once none of its lines is in flight.
-            try:
-                subject = Subjects.of(settings.nats).batch(batch_id)
-                await js.purge_stream(settings.nats.batch_stream, subject=subject)
-            except Exception:
-                pass  # the runner skips a cancelled batch's lines anyway
-        return batch_object(await owned_batch(batch_id, key.key_id))

@@ -1,6 +1,6 @@
 """One completion request through the fleet, as the OpenAI API shapes it.
 
-``CompletionRun`` is built by the chat and text-completion routes in ``app.py``; it addresses
+``CompletionRun`` is built by ``Admission.begin`` for the HTTP routes (``routes/``); it addresses
 the request to this gateway's reply subject (``Fleet.addressed``). ``start`` registers the
 request's reader with the gateway's one stream subscription (``Fleet.mux``), publishes the
 ``GenerateRequest`` inside the ``gateway.request`` span (so the traceparent rides along) and

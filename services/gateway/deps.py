@@ -1,4 +1,5 @@
-"""FastAPI dependencies shared by the routes (``Annotated`` aliases)."""
+"""FastAPI dependencies shared by the routes (``Annotated`` aliases): the settings, the fleet,
+the caller's API key, and the per-process objects ``create_app`` keeps on ``app.state``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from libs.db.batches import BatchStore
+from libs.db.responses import ResponseStore
 from libs.settings import Settings
+from services.gateway.admission import Admission
 from services.gateway.auth import KeyInfo, KeyStore
+from services.gateway.background import BackgroundRuns
+from services.gateway.cache import ResponseCache
 from services.gateway.errors import ApiError
 from services.gateway.fleet import Fleet
 
@@ -25,6 +31,33 @@ def get_fleet(request: Request) -> Fleet:
 def get_keys(request: Request) -> KeyStore:
     keys: KeyStore = request.app.state.keys
     return keys
+
+
+def get_admission(request: Request) -> Admission:
+    admission: Admission = request.app.state.admission
+    return admission
+
+
+def get_cache(request: Request) -> ResponseCache:
+    cache: ResponseCache = request.app.state.cache
+    return cache
+
+
+def get_background(request: Request) -> BackgroundRuns:
+    background: BackgroundRuns = request.app.state.background
+    return background
+
+
+def get_responses(request: Request) -> ResponseStore | None:
+    """The stored responses (None: ``gateway.store_responses`` off, or no database yet)."""
+    store: ResponseStore | None = request.app.state.responses
+    return store
+
+
+def get_batches(request: Request) -> BatchStore | None:
+    """The files and batches (None without a database)."""
+    store: BatchStore | None = request.app.state.batches
+    return store
 
 
 async def require_key(request: Request) -> KeyInfo:
@@ -46,6 +79,23 @@ async def require_key(request: Request) -> KeyInfo:
     return info
 
 
+async def models_key(request: Request) -> None:
+    """An API key for the model listing, unless ``gateway.open_models``."""
+    if not get_settings(request).gateway.open_models:
+        await require_key(request)
+
+
+async def metrics_key(request: Request) -> None:
+    """An API key for ``/metrics``, unless ``gateway.open_metrics``."""
+    if not get_settings(request).gateway.open_metrics:
+        await require_key(request)
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 FleetDep = Annotated[Fleet, Depends(get_fleet)]
 KeyDep = Annotated[KeyInfo, Depends(require_key)]
+AdmissionDep = Annotated[Admission, Depends(get_admission)]
+CacheDep = Annotated[ResponseCache, Depends(get_cache)]
+BackgroundDep = Annotated[BackgroundRuns, Depends(get_background)]
+ResponsesDep = Annotated[ResponseStore | None, Depends(get_responses)]
+BatchesDep = Annotated[BatchStore | None, Depends(get_batches)]

@@ -6,7 +6,7 @@ The engine names the field at fault in its own terms (``libs/engine/checks.py``:
 ``ErrorMessage`` a worker streams back. :class:`OpenAIFields` turns that name into the field of
 the body this client sent: ``structured.json`` is ``response_format`` for a chat body that set
 ``response_format``, ``structured_outputs.json`` for one that set vLLM's ``structured_outputs``,
-``text.format`` for a Responses body. Built once per request by the routes (``app.py``) and the
+``text.format`` for a Responses body. Built once per request by the routes (``routes/``) and the
 batch runner, used by :func:`checked` before the request is published and by ``CompletionRun``
 when the fleet answers with an error.
 """

@@ -164,20 +164,67 @@ async def _events(
     yield ev("response.in_progress", response=body)
     out: list[dict[str, Any]] = body["output"]
     markup = CallMarkupFilter() if filtered else None
-    msg: dict[str, Any] | None = None
-    text = ""
+    message = _MessageEvents(ev, out)
     reason = "stop"
+    async for d in run.deltas(first):
+        piece = d.text
+        if markup is not None:
+            piece = markup.feed(piece)
+            if d.finish_reason is not None:
+                piece += markup.flush(calls_made=bool(d.tool_calls))
+        # Leading white space opens no message (a tool call's answer often starts with some).
+        if piece and (message.text or piece.strip() or message.item is not None):
+            for line in message.add(piece):
+                yield line
+        if d.finish_reason is not None:
+            reason = d.finish_reason
+            for line in message.close():
+                yield line
+            for call in d.tool_calls or []:
+                for line in _call_events(ev, out, call):
+                    yield line
+    f = run.outcome.finished
+    assert f is not None
+    u = f.usage
+    shape.finish(reason, usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+    yield ev(kind, response=body)
 
-    def open_message() -> list[bytes]:
-        nonlocal msg
-        msg = message_item(new_item_id("msg"), "", "in_progress")
+
+class _MessageEvents:
+    """The response's message item as its text streams: added at the first piece (``add``),
+    each piece a delta, done at the finish (``close``); its events as SSE lines."""
+
+    def __init__(self, ev: EventWriter, out: list[dict[str, Any]]) -> None:
+        self.ev, self.out = ev, out
+        self.item: dict[str, Any] | None = None
+        self.text = ""
+
+    def add(self, piece: str) -> list[bytes]:
+        lines = self._open() if self.item is None else []
+        assert self.item is not None
+        self.text += piece
+        lines.append(
+            self.ev(
+                "response.output_text.delta",
+                item_id=self.item["id"],
+                output_index=self.out.index(self.item),
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
+        )
+        return lines
+
+    def _open(self) -> list[bytes]:
+        msg = self.item = message_item(new_item_id("msg"), "", "in_progress")
         msg["content"] = []
-        out.append(msg)
+        self.out.append(msg)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        idx = len(out) - 1
+        idx = len(self.out) - 1
         return [
-            ev("response.output_item.added", output_index=idx, item=msg),
-            ev(
+            self.ev("response.output_item.added", output_index=idx, item=msg),
+            self.ev(
                 "response.content_part.added",
                 item_id=msg["id"],
                 output_index=idx,
@@ -186,83 +233,50 @@ async def _events(
             ),
         ]
 
-    def close_message() -> list[bytes]:
-        assert msg is not None
-        idx = out.index(msg)
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def close(self) -> list[bytes]:
+        msg, ev = self.item, self.ev
+        if msg is None:
+            return []
+        idx = self.out.index(msg)
+        part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
         msg["content"] = [part]
         msg["status"] = "completed"
+        where = {"item_id": msg["id"], "output_index": idx, "content_index": 0}
         return [
-            ev(
-                "response.output_text.done",
-                item_id=msg["id"],
-                output_index=idx,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            ),
-            ev(
-                "response.content_part.done",
-                item_id=msg["id"],
-                output_index=idx,
-                content_index=0,
-                part=part,
-            ),
+            ev("response.output_text.done", **where, text=self.text, logprobs=[]),
+            ev("response.content_part.done", **where, part=part),
             ev("response.output_item.done", output_index=idx, item=msg),
         ]
 
-    async for d in run.deltas(first):
-        piece = d.text
-        if markup is not None:
-            piece = markup.feed(piece)
-            if d.finish_reason is not None:
-                piece += markup.flush(calls_made=bool(d.tool_calls))
-        if piece and (text or piece.strip() or msg is not None):
-            if msg is None:
-                for line in open_message():
-                    yield line
-            assert msg is not None
-            text += piece
-            yield ev(
-                "response.output_text.delta",
-                item_id=msg["id"],
-                output_index=out.index(msg),
-                content_index=0,
-                delta=piece,
-                logprobs=[],
-            )
-        if d.finish_reason is not None:
-            reason = d.finish_reason
-            if msg is not None:
-                for line in close_message():
-                    yield line
-            for call in d.tool_calls or []:
-                item = call_item(new_item_id("fc"), call, "in_progress")
-                item["arguments"] = ""
-                out.append(item)
-                idx = len(out) - 1
-                yield ev("response.output_item.added", output_index=idx, item=item)
-                yield ev(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=idx,
-                    delta=call.arguments,
-                )
-                item["arguments"], item["status"] = call.arguments, "completed"
-                yield ev(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    name=call.name,
-                    arguments=call.arguments,
-                )
-                yield ev("response.output_item.done", output_index=idx, item=item)
-    f = run.outcome.finished
-    assert f is not None
-    u = f.usage
-    shape.finish(reason, usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
-    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-    yield ev(kind, response=body)
+
+def _call_events(ev: EventWriter, out: list[dict[str, Any]], call: ToolCall) -> list[bytes]:
+    """One function call of the answer as its item's events: added, its arguments (one delta,
+    the call is whole when it comes), done."""
+    item = call_item(new_item_id("fc"), call, "in_progress")
+    item["arguments"] = ""
+    out.append(item)
+    idx = len(out) - 1
+    lines = [
+        ev("response.output_item.added", output_index=idx, item=item),
+        ev(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=idx,
+            delta=call.arguments,
+        ),
+    ]
+    item["arguments"], item["status"] = call.arguments, "completed"
+    return [
+        *lines,
+        ev(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=idx,
+            name=call.name,
+            arguments=call.arguments,
+        ),
+        ev("response.output_item.done", output_index=idx, item=item),
+    ]
 
 
 def input_items(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

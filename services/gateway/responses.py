@@ -5,7 +5,7 @@ A response is a chat completion underneath: ``ResponseCreate.messages`` turns ``
 the stored conversation of ``previous_response_id`` and the ``input`` (text, or message,
 ``function_call`` and ``function_call_output`` items) into chat messages; ``tools`` (function
 tools), ``tool_choice``, ``text.format`` and the sampling fields map onto the
-``GenerateRequest`` as chat's do. ``response_routes.py`` admits and runs it (the same key, rate
+``GenerateRequest`` as chat's do. ``routes/responses.py`` admits and runs it (the same key, rate
 limits, backpressure and ledger path as chat; never the response cache) and
 ``response_output.py`` shapes the answer. With ``store`` (OpenAI's default) the response and its
 conversation are kept per API key (``libs.db.responses``) for ``GET``, ``DELETE`` and a

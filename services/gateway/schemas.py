@@ -2,7 +2,7 @@
 
 No field is accepted and ignored: every field of OpenAI's chat and completions requests is
 honoured, accepted without effect where that is its meaning here (``metadata``, ``user``,
-``service_tier`` "auto"…, listed in ``docs/api.md``), or refused with a 400 naming it
+``service_tier`` "auto"…, listed in ``docs/gateway.md``), or refused with a 400 naming it
 (``UNSUPPORTED``); an unknown field is a 400 "Unrecognized request argument supplied", as
 OpenAI answers. Invalid values raise ``ApiError(400, param=...)`` through FastAPI's validation
 handler in ``errors.py``.
@@ -200,7 +200,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
-    # Accepted without effect (docs/api.md): bookkeeping for OpenAI's own platform.
+    # Accepted without effect (docs/gateway.md): bookkeeping for OpenAI's own platform.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=1024)  # prefix caching is on

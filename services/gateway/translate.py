@@ -1,13 +1,21 @@
-"""OpenAI request bodies → ``GenerateRequest``: the one place a chat or text completion body
-becomes the fleet's request (the HTTP routes and the batch runner both call it), checked by the
-engine's input check (``services/gateway/fields.py``) before it is published."""
+"""OpenAI request bodies → ``GenerateRequest``: the one place an HTTP body becomes the fleet's
+request. ``generate_request`` builds every one (who sends it, from the API key; how it is
+routed); ``chat_request`` and ``text_request`` read chat and text completion bodies (the HTTP
+routes and the batch runner call them), the Responses route its own body
+(``routes/responses.py``). Each is checked by the engine's input check
+(``services/gateway/fields.py``) before it is published."""
 
 from __future__ import annotations
 
-import msgspec
-
 from libs.flow.tenant import capped
-from libs.protocol import GenerateRequest, Priority, SamplingParams
+from libs.protocol import (
+    ChatMessage,
+    GenerateRequest,
+    Priority,
+    SamplingParams,
+    ToolChoice,
+    ToolFunction,
+)
 from services.gateway.auth import KeyInfo
 from services.gateway.errors import ApiError
 from services.gateway.fields import Api, OpenAIFields, checked
@@ -17,6 +25,9 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 # "until the context ends", which we bound).
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_TEXT_MAX_TOKENS = 16
+
+# A body's tools as the wire carries them: functions, tool_choice, a forced function's name.
+Tools = tuple[list[ToolFunction] | None, ToolChoice, str | None]
 
 
 def fields_of(body: ChatCompletionRequest | CompletionRequest) -> OpenAIFields:
@@ -36,17 +47,47 @@ def sampling_of(
         raise ApiError(400, str(e), "invalid_request", param) from None
 
 
-def with_key_terms(req: GenerateRequest, key: KeyInfo) -> GenerateRequest:
-    """``req`` under its key's flow-control terms (docs/flow-control.md): weight, waiting
-    bound, and its band capped at the best the key may use. A key of a team takes the team's
-    terms from the teams file in the router instead."""
-    t = key.terms
-    return msgspec.structs.replace(
-        req,
-        tenant_weight=t.weight,
-        tenant_max_waiting=t.max_waiting,
-        priority=capped(req.priority, t.priority),
+def generate_request(
+    key: KeyInfo,
+    request_id: str,
+    model: str,
+    sampling: SamplingParams,
+    priority: Priority,
+    user: str | None,
+    fields: OpenAIFields,
+    *,
+    messages: list[ChatMessage] | None = None,
+    prompt: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    tools: Tools = (None, "auto", None),
+    parallel_tool_calls: bool = True,
+) -> GenerateRequest:
+    """The fleet's request for one HTTP body, sent as ``key`` (its id and team, and its
+    flow-control terms: weight, waiting bound, and the band capped at the best the key may
+    use; a key of a team takes the team's from the teams file in the router instead,
+    docs/flow-control.md), asking the router to echo its route; a value the engine would
+    refuse is a 400 on ``fields``' name for it."""
+    tool_list, tool_choice, tool_name = tools
+    req = GenerateRequest(
+        request_id=request_id,
+        model=model,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        sampling=sampling,
+        priority=capped(priority, key.terms.priority),
+        api_key_id=key.key_id,
+        team=key.team,
+        tenant_weight=key.terms.weight,
+        tenant_max_waiting=key.terms.max_waiting,
+        user=user,
+        want_route=True,
+        tools=tool_list,
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+        parallel_tool_calls=parallel_tool_calls,
     )
+    return checked(req, fields)
 
 
 def chat_request(
@@ -56,23 +97,18 @@ def chat_request(
         messages = body.wire_messages()
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_request", "messages") from None
-    tools, tool_choice, tool_name = body.wire_tools()
-    req = GenerateRequest(
-        request_id=request_id,
-        model=body.model,
+    return generate_request(
+        key,
+        request_id,
+        body.model,
+        sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
+        priority,
+        body.user,
+        fields_of(body),
         messages=messages,
-        sampling=sampling_of(body, DEFAULT_CHAT_MAX_TOKENS),
-        priority=priority,
-        api_key_id=key.key_id,
-        team=key.team,
-        user=body.user,
-        want_route=True,
-        tools=tools,
-        tool_choice=tool_choice,
-        tool_name=tool_name,
+        tools=body.wire_tools(),
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    return checked(with_key_terms(req, key), fields_of(body))
 
 
 def text_request(
@@ -85,16 +121,14 @@ def text_request(
         prompt = str(body.prompt[0])
     else:
         ids = [int(x) for x in body.prompt]
-    req = GenerateRequest(
-        request_id=request_id,
-        model=body.model,
+    return generate_request(
+        key,
+        request_id,
+        body.model,
+        sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
+        priority,
+        body.user,
+        fields_of(body),
         prompt=prompt,
         prompt_token_ids=ids,
-        sampling=sampling_of(body, DEFAULT_TEXT_MAX_TOKENS),
-        priority=priority,
-        api_key_id=key.key_id,
-        team=key.team,
-        user=body.user,
-        want_route=True,
     )
-    return checked(with_key_terms(req, key), fields_of(body))

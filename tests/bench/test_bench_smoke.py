@@ -255,11 +255,14 @@ SHELL_SYNTAX = ("llama_server.sh", "gpu_step.sh")
 
 
 def bench_modules_with_main() -> set[str]:
-    return {
+    """The benches ``python -m bench.NAME`` runs: modules with a main guard, packages with a
+    ``__main__``."""
+    modules = {
         p.stem
         for p in (ROOT / "bench").glob("*.py")
         if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)
     }
+    return modules | {p.parent.name for p in (ROOT / "bench").glob("*/__main__.py")}
 
 
 def run_bench(module: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

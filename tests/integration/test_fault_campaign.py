@@ -1,4 +1,4 @@
-"""The fault campaign's scenarios that fit CI's time (bench/chaos.py; the whole campaign and its
+"""The fault campaign's scenarios that fit CI's time (bench/chaos/; the whole campaign and its
 table are in docs/reliability.md): FAKE-engine fleets of separate processes under 40 streams,
 a worker killed, a worker paused, a NATS server restarted, 10,000 malformed messages — and no
 request hangs, no token is lost or doubled, no ledger row is lost or wrong, nothing is held."""
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import Opts, campaign
+from bench.chaos.campaign import campaign
+from bench.chaos.fleet import Opts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

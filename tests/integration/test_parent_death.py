@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,24 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.services import free_port
+from services.supervisor.nats_server import port_open
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 # PARENT_WATCH_INTERVAL_S (1 s) + uvicorn's graceful shutdown on a 2-core machine.
 EXIT_BOUND_S = 15.0
 READY_BOUND_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+PROBE_S = 0.2  # a connect attempt to the gateway's port
 
 
 def test_the_gateway_stops_when_its_supervisor_is_killed(tmp_path: Path, nats_url: str) -> None:
@@ -64,7 +55,7 @@ def test_the_gateway_stops_when_its_supervisor_is_killed(tmp_path: Path, nats_ur
     gateway_pid = None
     try:
         deadline = time.monotonic() + READY_BOUND_S
-        while not (pid_file.exists() and port_open(port)):
+        while not (pid_file.exists() and port_open("127.0.0.1", port, PROBE_S)):
             assert sup.poll() is None and time.monotonic() < deadline, "gateway did not start"
             time.sleep(0.2)
         gateway_pid = int(pid_file.read_text())
@@ -74,7 +65,7 @@ def test_the_gateway_stops_when_its_supervisor_is_killed(tmp_path: Path, nats_ur
         while alive(gateway_pid):
             assert time.monotonic() < deadline, "the gateway outlived its supervisor"
             time.sleep(0.2)
-        assert not port_open(port)
+        assert not port_open("127.0.0.1", port, PROBE_S)
     finally:
         if sup.poll() is None:
             sup.kill()

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.chaos import ledger_rows, reference
+from bench.chaos.fleet import ledger_rows
+from bench.chaos.load import reference
 from bench.support.regions import (
     Call,
     RegionFleet,
@@ -147,7 +148,7 @@ async def test_streams_crossing_a_cut_link_pause_and_end_with_their_text(tmp_pat
     """Region a has no worker: its gateway's requests run in b, across the gateway. The link is
     cut mid-stream for 8 s: a's router loses b's workers, its streams wait for a worker
     (``waiting_for_worker``) and continue in b when the link returns, with the exact text."""
-    from bench.chaos_regions import LinkProxy
+    from bench.chaos.regions import LinkProxy
     from bench.support.services import free_port
 
     via = {r: free_port() for r in "ab"}

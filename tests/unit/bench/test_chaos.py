@@ -1,4 +1,4 @@
-"""The fault campaign's helpers (bench/chaos.py): no fleet, no NATS."""
+"""The fault campaign's helpers (bench/chaos/): no fleet, no NATS."""
 
 from __future__ import annotations
 
@@ -8,19 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import (
-    Call,
-    Load,
-    NatsCluster,
-    Opts,
-    PrivatePostgres,
-    ledger_vs_events,
-    malformed_payloads,
-    parse_metric,
-    pct,
-    reference,
-    table,
-)
+from bench.chaos.campaign import table
+from bench.chaos.faults import malformed_payloads
+from bench.chaos.fleet import Opts, PrivatePostgres, parse_metric
+from bench.chaos.load import Call, Load, reference
+from bench.chaos.measure import ledger_vs_events
+from bench.support.nats_servers import NatsCluster
 from libs.protocol import GenerateRequest, ProtocolError, UsageEvent, decode
 
 pytestmark = pytest.mark.unit
@@ -41,10 +34,12 @@ def test_parse_metric_sums_labelled_samples_and_skips_longer_names() -> None:
     assert parse_metric(text, "absent") == 0.0
 
 
-def test_pct() -> None:
-    assert pct([], 0.5) is None
-    assert pct([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert pct([3.0, 1.0, 2.0], 1.0) == 3.0
+def test_nearest_rank() -> None:
+    from bench.stats import nearest_rank
+
+    assert nearest_rank([], 0.5) is None
+    assert nearest_rank([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert nearest_rank([3.0, 1.0, 2.0], 1.0) == 3.0
 
 
 def test_malformed_payloads_are_refused_by_the_decoder() -> None:
@@ -179,14 +174,16 @@ def test_private_postgres_says_why_it_cannot_run(
 def test_disagg_config_is_one_disaggregated_engine_pool() -> None:
     import tomllib
 
-    from bench.chaos import DISAGG, RUNNERS, SCENARIOS, TINY_MODEL, disagg_config_toml
+    from bench.chaos import disagg
+    from bench.chaos.campaign import RUNNERS, SCENARIOS
+    from bench.chaos.fleet import TINY_MODEL, disagg_config_toml
 
     cfg = tomllib.loads(disagg_config_toml(prefill_workers=2))
     (pool,) = cfg["pools"]
     assert (pool["model"], pool["mode"], pool["backend"]) == (TINY_MODEL, "disaggregated", "engine")
     assert (pool["workers"], pool["prefill_workers"]) == (2, 2)
     assert cfg["engine"]["max_model_len"] == 256 and cfg["cache"]["enabled"] is True
-    assert all(n in SCENARIOS and n in RUNNERS for n in DISAGG)
+    assert all(n in SCENARIOS and n in RUNNERS for n in disagg.RUNNERS)
 
 
 def test_fixed_prompts_make_greedy_requests() -> None:
@@ -203,10 +200,10 @@ def test_fixed_prompts_make_greedy_requests() -> None:
 
 
 async def test_the_link_proxy_forwards_cuts_and_restores() -> None:
-    """bench.chaos_regions.LinkProxy (the region-link scenario's gateway link)."""
+    """bench.chaos.regions.LinkProxy (the region-link scenario's gateway link)."""
     import asyncio
 
-    from bench.chaos_regions import LinkProxy
+    from bench.chaos.regions import LinkProxy
     from bench.support.services import free_port
 
     async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -38,7 +38,7 @@ from libs.nats_util import stream_configs
 from libs.settings import CacheSettings, NatsSettings, Settings
 from services.cache.main import DRAIN_TIMEOUT_S as CACHE_DRAIN_TIMEOUT_S
 from services.cli import SERVICES, _parser
-from services.router.main import ROUTER_DURABLE
+from services.router.service import ROUTER_DURABLE
 
 pytestmark = pytest.mark.unit
 

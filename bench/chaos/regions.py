@@ -1,6 +1,6 @@
 """The fault campaign's region scenarios (``python -m bench.chaos --scenarios region-workers,
 region-nats,region-link``; docs/regions.md): the campaign's load, measurement and table
-(bench/chaos.py) on two regions instead of one fleet.
+(bench/chaos/) on two regions instead of one fleet.
 
 The fleet: two NATS clusters, "a" and "b", one server each, joined by a gateway whose link runs
 through a TCP proxy of the harness (``LinkProxy``: it can cut the link and restore it); in each
@@ -34,7 +34,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import Fleet, Load, Opts, router_consumer, run_scenario
+from bench.chaos.fleet import Fleet, Opts
+from bench.chaos.load import Load
+from bench.chaos.measure import Runner, router_consumer, run_scenario
 from bench.support.procs import ProcessFleet
 from bench.support.regions import Supercluster, fake_config, region_env
 from bench.support.services import free_port
@@ -299,7 +301,7 @@ async def region_link(opts: Opts) -> dict[str, Any]:
     return await regions_scenario("region-link", opts, fault)
 
 
-RUNNERS: dict[str, Callable[[Opts], Awaitable[dict[str, Any]]]] = {
+RUNNERS: dict[str, Runner] = {
     "region-workers": region_workers,
     "region-nats": region_nats,
     "region-link": region_link,
