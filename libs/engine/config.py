@@ -102,9 +102,10 @@ class EngineSettings(BaseModel):
     # bands, and memory pressure preempts the tenant furthest over its share first. false:
     # arrival order inside a band.
     fair_share: bool = True
-    # A computed prompt token's cost in that share, in output tokens (docs/flow-control.md
-    # says how it was measured).
-    fair_prompt_token_cost: float = Field(default=0.1, ge=0)
+    # A computed prompt token's cost in that share, in output tokens: on the CPU a prompt
+    # token and a decode row go through the same batched matmuls (docs/flow-control.md has the
+    # measurement).
+    fair_prompt_token_cost: float = Field(default=1.0, ge=0)
     # Seats beyond max_num_seqs for a waiting tenant with none running: one tenant's flood
     # never keeps another tenant's request waiting for a seat to free (0: none).
     fair_headroom_seqs: int = Field(default=4, ge=0)
