@@ -90,9 +90,11 @@ RUN pip install "/app[gateway,engine]" \
 # safetensors model under $STRAIT_MODELS__DIR and workers start in seconds.
 # (chmod: the converter writes the weights 0600 and the roles run as an unprivileged user.)
 # The kernels are built here for this CPU too; a worker on another CPU rebuilds them at start.
+# (From /, so that `libs` is the installed package the roles import: built from /app's copy,
+# the sources' paths differ and every worker would compile them again at start.)
 RUN strait models prepare \
     && chmod -R a+rX /opt/strait/models \
-    && python -m libs.engine.kernels \
+    && (cd / && python -m libs.engine.kernels) \
     && useradd --system --uid 10001 --home-dir /var/lib/strait --create-home strait \
     && chown -R strait /var/lib/strait
 
