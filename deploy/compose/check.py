@@ -145,6 +145,7 @@ def debian_base() -> str:
     """A Debian bookworm base image from Debian's packages (mmdebstrap), built once."""
     if image_present(BASE_IMAGE, pull=False):
         return BASE_IMAGE
+    say("images", f"{BASE_IMAGE}: mmdebstrap --variant=minbase bookworm, docker import ...")
     with tempfile.TemporaryDirectory() as tmp:
         tar = str(Path(tmp) / "base.tar")
         sh("nice", "mmdebstrap", "--variant=minbase", "bookworm", tar)

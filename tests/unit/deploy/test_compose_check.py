@@ -35,11 +35,12 @@ def check_module() -> ModuleType:
     return module
 
 
-def test_compose_file_has_no_top_level_name() -> None:
+@pytest.mark.parametrize("path", [COMPOSE, ROOT / "deploy" / "regions" / "compose.yml"])
+def test_compose_file_has_no_top_level_name(path: Path) -> None:
     """Compose v1 (Debian's docker-compose 1.29) rejects a top-level `name:`; the project name
     comes from COMPOSE_PROJECT_NAME, -p or the folder."""
-    assert "name" not in load(COMPOSE)
-    assert not re.search(r"^name:", COMPOSE.read_text(), re.M)
+    assert "name" not in load(path)
+    assert not re.search(r"^name:", path.read_text(), re.M)
 
 
 def test_override_changes_only_image_names() -> None:
