@@ -58,9 +58,27 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ninja-build \
     && rm -rf /var/lib/apt/lists/*
 
+# PIP_CERT_URL, when set, names a PEM bundle that every pip call below trusts instead of its
+# own: for a build behind a TLS-intercepting proxy. `make compose-check` passes the host pip's
+# `cert` this way (served from the host; the build runs with --network host).
+ARG PIP_CERT_URL=
+RUN if [ -n "${PIP_CERT_URL}" ]; then \
+        python3 -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" \
+            "${PIP_CERT_URL}" /etc/pip-cert.pem \
+        && printf '[global]\ncert = /etc/pip-cert.pem\n' > /etc/pip.conf; \
+    fi
+
 # torch first, alone, from the chosen index: the largest layer, cached across source changes.
 # `pip install .[engine]` below then finds torch==${TORCH_VERSION} already satisfied.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# TORCH_WHEEL_URL, when set, names one torch wheel file to install instead (its dependencies come
+# from PyPI): `make compose-check` serves the CPU wheel from the host's pip cache or wheelhouse
+# this way where the CPU index cannot be reached (docs/operations.md).
+ARG TORCH_WHEEL_URL=
+RUN if [ -n "${TORCH_WHEEL_URL}" ]; then \
+        pip install "torch @ ${TORCH_WHEEL_URL}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; \
+    fi
 
 WORKDIR /app
 COPY . /app
@@ -72,9 +90,11 @@ RUN pip install "/app[gateway,engine]" \
 # safetensors model under $STRAIT_MODELS__DIR and workers start in seconds.
 # (chmod: the converter writes the weights 0600 and the roles run as an unprivileged user.)
 # The kernels are built here for this CPU too; a worker on another CPU rebuilds them at start.
+# (From /, so that `libs` is the installed package the roles import: built from /app's copy,
+# the sources' paths differ and every worker would compile them again at start.)
 RUN strait models prepare \
     && chmod -R a+rX /opt/strait/models \
-    && python -m libs.engine.kernels \
+    && (cd / && python -m libs.engine.kernels) \
     && useradd --system --uid 10001 --home-dir /var/lib/strait --create-home strait \
     && chown -R strait /var/lib/strait
 

@@ -67,7 +67,12 @@ schemas: $(STAMP) ## regenerate docs/schemas from the wire protocol
 settings-doc: $(STAMP) ## regenerate docs/settings.md (every setting) from libs/settings/
 	$(BIN)/python -m libs.settings.reference
 
+# Needs a running Docker daemon (docs/operations.md says how to start one) and root for the
+# stand-in images' Debian base (mmdebstrap); no Strait install, any python3 >= 3.11.
+compose-check: ## build the images and run docker-compose.yml end to end, both profiles (Docker)
+	$(PYTHON) deploy/compose/check.py
+
 clean: ## remove caches (keeps .venv and .strait)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 
-.PHONY: help install models e2e-models kernels run lint format typecheck test unit integration e2e bench-engine schemas settings-doc clean
+.PHONY: help install models e2e-models kernels run lint format typecheck test unit integration e2e bench-engine schemas settings-doc compose-check clean

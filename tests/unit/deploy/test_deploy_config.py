@@ -327,7 +327,9 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
+    """docker-compose.yml as Compose reads it with no variables set: ``${VAR-default}`` and
+    ``${VAR:-default}`` become their defaults."""
+    return yaml.safe_load(re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", COMPOSE.read_text()))
 
 
 def compose_strait_services() -> dict[str, dict[str, Any]]:
