@@ -74,6 +74,7 @@ RUN if [ -n "${PIP_CERT_URL}" ]; then \
 # from PyPI): `make compose-check` serves the CPU wheel from the host's pip cache or wheelhouse
 # this way where the CPU index cannot be reached (docs/operations.md).
 ARG TORCH_WHEEL_URL=
+# hadolint ignore=DL3013
 RUN if [ -n "${TORCH_WHEEL_URL}" ]; then \
         pip install "torch @ ${TORCH_WHEEL_URL}"; \
     else \
@@ -92,6 +93,7 @@ RUN pip install "/app[gateway,engine]" \
 # The kernels are built here for this CPU too; a worker on another CPU rebuilds them at start.
 # (From /, so that `libs` is the installed package the roles import: built from /app's copy,
 # the sources' paths differ and every worker would compile them again at start.)
+# hadolint ignore=DL3003
 RUN strait models prepare \
     && chmod -R a+rX /opt/strait/models \
     && (cd / && python -m libs.engine.kernels) \
