@@ -116,12 +116,17 @@ async def nats_sender(url: str, weights: dict[str, float]) -> tuple[Send, nats.N
     return send, nc
 
 
-async def flood(send: Send, tenant: str, streams: int, until: float, tally: Tally) -> None:
-    async def one_stream() -> None:
-        while time.monotonic() < until:
-            await send(tenant, FLOOD_PROMPT, 128, tally.seen(tenant))
+async def flood(
+    send: Send, tenants: list[str], streams: int, tokens: int, until: float, tally: Tally
+) -> None:
+    """``streams`` open streams of each tenant, opened alternately, each answered request
+    replaced by a new one until ``until``."""
 
-    await asyncio.gather(*(one_stream() for _ in range(streams)))
+    async def one_stream(tenant: str) -> None:
+        while time.monotonic() < until:
+            await send(tenant, FLOOD_PROMPT, tokens, tally.seen(tenant))
+
+    await asyncio.gather(*(one_stream(t) for _ in range(streams) for t in tenants))
 
 
 async def quiet(send: Send, until: float) -> list[float]:
@@ -155,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         t = Tally()
         start = time.monotonic()
         end = start + warm + 2 * span
-        flooding = asyncio.create_task(flood(send, "flood", args.streams, end, t))
+        flooding = asyncio.create_task(flood(send, ["flood"], args.streams, args.tokens, end, t))
         await asyncio.sleep(warm + span)
         out["flood_tok_s"] = t.rate("flood", start + warm, start + warm + span)
         beside = await quiet(send, end)
@@ -167,7 +172,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             t = Tally()
             start = time.monotonic()
             end = start + warm + span
-            await asyncio.gather(*(flood(send, n, args.streams, end, t) for n in (x, y)))
+            await flood(send, [x, y], args.streams, args.tokens, end, t)
             rx, ry = (t.rate(n, start + warm, end) for n in (x, y))
             out[name] = {"share": rx / (rx + ry), "total_tok_s": rx + ry}
             out[f"{name}_throughput_ratio"] = (rx + ry) / out["flood_tok_s"]  # type: ignore[operator]
@@ -184,8 +189,15 @@ def main() -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     p.add_argument("--streams", type=int, default=96, help="open streams of each flood")
+    p.add_argument("--tokens", type=int, default=64, help="output tokens of a flood's request")
     p.add_argument("--phase-s", type=float, default=40.0, help="seconds each phase measures")
-    p.add_argument("--warmup-s", type=float, default=15.0, help="seconds a flood runs first")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="seconds a flood runs first (at least a few of its requests' lifetimes: shares "
+        "converge as seats turn over)",
+    )
     print(json.dumps(asyncio.run(run(p.parse_args())), indent=2))
 
 

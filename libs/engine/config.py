@@ -112,6 +112,11 @@ class EngineSettings(BaseModel):
     # Once that headroom is taken, a waiting tenant with none running preempts (to recompute
     # later) the newest sequence of the tenant furthest over its share (decision 0034).
     fair_preempt: bool = False
+    # The first prompt of a tenant with nothing running runs in a step of its own (the other
+    # tenants' rows sit out that step, keeping their blocks), at most once every this many
+    # steps: its TTFT is then the rest of the step under way plus a short one, not a full
+    # batch step more. 0: it shares the next step like any prompt.
+    fair_first_prompt_alone_every: int = Field(default=4, ge=0)
     enable_prefix_caching: bool = True
     # torch's threads in an engine process. 0: torch's default (every core); -1: every core
     # but one, for a worker that shares its machine with the rest of the fleet (its event

@@ -9,6 +9,8 @@ queues. Policy:
 - a waiting tenant with no sequence running gets a seat while ``max_num_seqs`` are taken, up
   to ``fair_headroom_seqs`` more, and then (``fair_preempt``) by preempting the sequence last
   in that order, so one tenant's flood never keeps another's first request waiting for a seat;
+  its first prompt runs in a step of its own (``fair_first_prompt_alone_every``: the running
+  sequences sit out that step, at most once every that many steps);
 - running sequences are served first, in that order: a decoding one gets 1 token, a
   prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
   ``max_num_batched_tokens``;
@@ -110,6 +112,9 @@ class Scheduler:
         )
         self.headroom = settings.fair_headroom_seqs if settings.fair_share else 0
         self.fair_preempt = settings.fair_share and settings.fair_preempt
+        self.alone_every = settings.fair_first_prompt_alone_every if settings.fair_share else 0
+        self._since_alone = self.alone_every  # steps since the last newcomer's step alone
+        self.num_alone_steps = 0
         # Waiting sequences, unordered (``_order`` picks; the queue is at most the worker's
         # max_waiting plus the preempted); aborted ones are dropped lazily (status FINISHED).
         self._waiting: list[Sequence] = []
@@ -179,6 +184,23 @@ class Scheduler:
                 return new
         return head if len(self.running) < self.max_num_seqs else None
 
+    def _newcomer_alone(self) -> bool:
+        """Whether this step computes only the first prompts of tenants with nothing running
+        (``fair_first_prompt_alone_every``): one such waits, may take a seat now, and the last
+        step alone was at least that many steps ago. Counts the step either way."""
+        self._since_alone += 1
+        if not self.alone_every or self._since_alone < self.alone_every or not self.running:
+            return False
+        new = self._unseated()
+        head = self._peek_waiting()
+        if new is None or head is None or new.priority_class > head.priority_class:
+            return False
+        if new is not self._next_admission() or new.num_preemptions:
+            return False
+        self._since_alone = 0
+        self.num_alone_steps += 1
+        return True
+
     def _preempt_for_unseated(self, out: SchedulerOutput) -> None:
         """``fair_preempt``: every seat and the headroom are taken and a tenant with none
         running waits: preempt the running sequence last in order (the newest of the tenant
@@ -212,11 +234,12 @@ class Scheduler:
         self._preempt_for_unseated(out)
         # Running is sorted by class: batch-class sequences sitting out are its tail.
         batch_sits_out = self._batch_sits_out()
+        alone = self._newcomer_alone()
         budget = self.max_num_batched_tokens
         prompt_left = self._prompt_allowance(out, batch_sits_out)
 
         out_of_blocks = False
-        i = 0
+        i = len(self.running) if alone else 0  # alone: every running sequence sits out
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if batch_sits_out and seq.is_batch:
@@ -247,6 +270,8 @@ class Scheduler:
             new = self._next_admission()
             if new is None or (batch_sits_out and new.is_batch):
                 break
+            if alone and any(s.tenant == new.tenant for s in self.running):
+                break  # a step alone admits only the tenants that had nothing running
             hits = self.kv.find_prefix(new)
             cached = len(hits) * self.kv.block_size
             n = min(new.num_tokens - cached, self.chunk, budget, prompt_left)

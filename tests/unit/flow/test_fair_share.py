@@ -165,3 +165,30 @@ def test_fair_preemption_takes_the_seat_of_the_tenant_over_its_share() -> None:
     assert quiet in s.running and len(s.running) == 4
     assert s.num_fair_preemptions == 1
     assert sum(x.tenant == "flood" for x in s.running) == 3
+
+
+def test_a_newcomers_first_prompt_runs_alone_at_most_every_n_steps() -> None:
+    s = make(max_num_seqs=4, fair_first_prompt_alone_every=3)
+    served: dict[str, int] = {}
+    for _ in range(4):
+        s.add(seq("flood"))
+    for _ in range(3):
+        step(s, 100, served)
+    quiet = seq("quiet")
+    s.add(quiet)
+    out = s.schedule()
+    assert [x.seq for x in out.scheduled] == [quiet]  # the flood's rows sit out this step
+    for x in out.scheduled:
+        x.seq.num_computed_tokens += x.num_new_tokens
+        x.seq.append_token(7)
+    other = seq("other")
+    s.add(other)
+    out = s.schedule()  # one step later: a newcomer shares the step (not alone again yet)
+    assert other in [x.seq for x in out.scheduled] and len(out.scheduled) == 6
+    assert s.num_alone_steps == 1
+    off = make(max_num_seqs=4, fair_first_prompt_alone_every=0)
+    for _ in range(4):
+        off.add(seq("flood"))
+    step(off, 100, served)
+    off.add(seq("quiet"))
+    assert len(off.schedule().scheduled) == 5
