@@ -25,6 +25,11 @@ UNSHAPING = {
     # Scheduling: how many tokens a step carries, not the graphs that run them.
     "itl_target_ms",
     "min_prefill_tokens",
+    "fair_share",
+    "fair_prompt_token_cost",
+    "fair_headroom_seqs",
+    "fair_preempt",
+    "fair_first_prompt_alone_every",
     # CUDA only: they shape no CPU graph.
     "cuda_graphs",
     "cuda_graph_batch_sizes",
