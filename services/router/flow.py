@@ -42,6 +42,9 @@ class TenantFlow:
         self.entries: dict[str, _Entry] = {}  # request key → where it is
         self.in_flight: dict[tuple[str, str], int] = {}  # (pool, tenant) → placed, not ended
         self.held: dict[tuple[str, str], int] = {}  # (pool, tenant) → held now
+        # A request whose end is never seen (an exception between placement and its watch)
+        # must not stay counted for ever: past this many, the oldest entry ends as unseen.
+        self.max_entries = 2 * (settings.router.max_watched + settings.router.max_pool_queue)
 
     def share(self, pool: str) -> FairShare:
         if pool not in self.shares:
@@ -52,6 +55,8 @@ class TenantFlow:
         """Count ``req`` active in ``pool``'s share (once per request key); its tenant."""
         e = self.entries.get(req.key)
         if e is None:
+            while len(self.entries) >= self.max_entries:
+                self._end(self.entries.pop(next(iter(self.entries))), None)
             e = self.entries[req.key] = _Entry(pool, tenant_of(req))
             self.share(pool).enter(e.tenant, req.tenant_weight or 1.0)
         return e.tenant
@@ -126,8 +131,10 @@ class TenantFlow:
         """``req``'s stream ended (or it was answered without one): the output estimate is
         corrected to what it streamed, and the tenant leaves the share if it was its last."""
         e = self.entries.pop(req.key, None)
-        if e is None:
-            return
+        if e is not None:
+            self._end(e, final)
+
+    def _end(self, e: _Entry, final: Finished | None) -> None:
         share = self.share(e.pool)
         if not e.held:
             k = (e.pool, e.tenant)
@@ -136,7 +143,6 @@ class TenantFlow:
                 del self.in_flight[k]
             used = final.usage.completion_tokens if final is not None else e.output_estimate
             share.charge(e.tenant, output_tokens=used - e.output_estimate)
-            metrics.TENANT_TOKENS.labels(pool=e.pool, tenant=metrics.tenant_label(e.tenant)).inc(
-                used
-            )
+            label = metrics.tenant_label(e.tenant)
+            metrics.TENANT_TOKENS.labels(pool=e.pool, tenant=label).inc(used)
         share.leave(e.tenant)

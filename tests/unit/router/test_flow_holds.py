@@ -130,3 +130,13 @@ def test_the_output_estimate_is_corrected_when_the_stream_ends() -> None:
     assert "key:a" not in r.flow.share("default").counters  # it left with its last request
     assert r.flow.share("default").idle["key:a"] == pytest.approx(charged - 12)  # 16 estimated
     assert r.flow.in_flight == {} and r.flow.entries == {}
+
+
+def test_entries_are_bounded_when_ends_are_never_seen() -> None:
+    r = router()
+    r.flow.max_entries = 3
+    for i in range(5):
+        q = of("a", f"a{i}")
+        r.flow.arrive(q, "default")
+        r.flow.placed(q)
+    assert len(r.flow.entries) == 3 and r.flow.in_flight == {("default", "key:a"): 3}
