@@ -320,6 +320,9 @@ class WorkerBeat(Struct, kw_only=True):
     # The worker's region (``nats.region``, its NATS cluster; "": one region): routers place
     # in their own region first (docs/regions.md).
     region: str = ""
+    # LoRA adapters loaded now (engine.max_loras; docs/engine.md "LoRA adapters"): a request
+    # naming one of them in ``model`` runs without loading it first.
+    adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class RouterBeat(Struct, kw_only=True):

@@ -64,6 +64,7 @@ class _Add:
     # Export the prompt's full blocks on the engine thread the moment the request finishes
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
+    lora: str = ""  # PreparedPrompt.lora
 
 
 @dataclass(slots=True)
@@ -238,6 +239,7 @@ class AsyncEngineBackend:
             prompt.grammar,
             list(prompt.matchers),
             list(prompt.prediction_ids),
+            lora=prompt.lora,
         )
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
@@ -268,6 +270,7 @@ class AsyncEngineBackend:
             grammar=prompt.grammar,
             matchers=list(prompt.matchers[:1]),
             export=True,
+            lora=prompt.lora,
         )
         async for item in self._run_request(add):
             if isinstance(item, PrefillResult):
@@ -332,6 +335,7 @@ class AsyncEngineBackend:
             kv_blocks_free=s.kv_blocks_free,
             capacity=s.capacity,
             block_size=s.block_size,
+            adapters=s.adapters,
             stored_hashes=stored,
             evicted_hashes=evicted,
         )
@@ -389,6 +393,7 @@ class AsyncEngineBackend:
                     cmd.grammar,
                     cmd.matchers,
                     cmd.prediction_ids,
+                    lora=cmd.lora,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)
@@ -459,6 +464,7 @@ class AsyncEngineBackend:
             capacity=self.settings.max_num_seqs,
             block_size=self.settings.block_size,
             step_load=engine.step_load(),
+            adapters=engine.loras.loaded() if engine.loras is not None else [],
         )
 
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from libs.adapters import AdapterCatalogue
 from libs.db import Database
 from libs.db.batches import BatchStore
 from libs.db.ledger import LedgerWriter
@@ -32,6 +33,7 @@ from libs.ratelimit import reserve_estimate
 from libs.runtime import settle_heap
 from libs.settings import Settings, model_identity
 from services.gateway import metrics
+from services.gateway.adapters import adapter_cards
 from services.gateway.auth import KeyInfo, KeyStore, OpenKeyStore
 from services.gateway.background import BackgroundRuns
 from services.gateway.batch_runner import BatchRunner
@@ -134,6 +136,8 @@ def create_app(
             await require_key(request)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    adapters = AdapterCatalogue(settings)  # LoRA adapters, listed with their base as parent
+
     def model_cards() -> list[dict[str, Any]]:
         """Every pool name and pool model, plus ``auto``, as OpenAI's model objects."""
         fleet: Fleet = app.state.fleet
@@ -158,6 +162,7 @@ def create_app(
                         "strait_live": p.name in live,
                     }
                 )
+        data += adapter_cards(settings, adapters, fleet.registry, now)
         data.append(
             {"id": "auto", "object": "model", "created": now, "owned_by": "strait", "root": "auto"}
         )

@@ -19,7 +19,7 @@ MAX_OFFERS = 4
 @dataclass
 class PoolChoice:
     pool: str
-    code: str  # explicit_pool | explicit_model | auto_small | auto_large | auto_single_pool
+    code: str  # explicit_pool | explicit_model | explicit_adapter | auto_small | auto_large | auto_single_pool
     score: float | None = None
     factors: list[str] = field(default_factory=list)
     # Pools the request may run in, preferred first (spill-over targets after ``pool``).

@@ -44,6 +44,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from libs.adapters import AdapterCatalogue
 from libs.log import fields
 from libs.protocol import (
     GenerateRequest,
@@ -111,6 +112,7 @@ class Router(Holds, Moves, Replies):
         )
         self._configured_models = {p.name: p.model for p in settings.pools}
         self.teams = TeamPolicy(settings)
+        self.adapters = AdapterCatalogue(settings)  # LoRA adapter → pool
         self.watch = StreamWatch(
             nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.teams.finished
         )
@@ -144,7 +146,7 @@ class Router(Holds, Moves, Replies):
         if serving:
             return PoolChoice(serving[0], "explicit_model", allowed=serving)
         if req.model != "auto":
-            return None
+            return self.adapter_choice(req)
         d = self.classifier.classify(req)
         small, large = self.cfg.small_pool, self.cfg.large_pool
         rest = sorted(p for p in models if p not in (small, large))
@@ -156,6 +158,15 @@ class Router(Holds, Moves, Replies):
         first = default if default in models else sorted(models)[0]
         others = [p for p in sorted(models) if p != first]
         return PoolChoice(first, "auto_single_pool", d.score, d.factors, [first, *others])
+
+    def adapter_choice(self, req: GenerateRequest) -> PoolChoice | None:
+        """The pool of the LoRA adapter ``req.model`` names (libs/adapters.py), None when no
+        pool serves it or it is another team's (refused like an unknown model)."""
+        announced = ((v.beat.pool, v.beat.adapters) for v in self.registry.workers.values())
+        pool = self.adapters.all(announced).get(req.model)
+        if pool is None or not self.teams.may_use(req.model, req.team):
+            return None
+        return PoolChoice(pool, "explicit_adapter", allowed=[pool])
 
     # ------------------------------------------------------------ the decision
 

@@ -56,6 +56,7 @@ from libs.telemetry import extract_context, tracer
 from services.deadletter import dead_letter
 from services.endpoint import Endpoint, dead_letters
 from services.worker import metrics
+from services.worker.adapters import adapter_of
 from services.worker.usage import UsageReporter, usage_event
 
 log = logging.getLogger("strait.worker")
@@ -354,6 +355,11 @@ class Worker:
 
     # ------------------------------------------------------------ one request
 
+    def adapter_of(self, model: str) -> str:
+        """The LoRA adapter a request for ``model`` runs with here ("": the base model)."""
+        names = (self.backend.model_name, self.backend.model_id)
+        return adapter_of(model, self.pool, names)
+
     def begin(self, span_name: str, a: Assignment, parent: Context) -> trace.Span:
         """A request's start: running and queue-time metrics, and its span (ended by
         :meth:`finish`)."""
@@ -421,6 +427,7 @@ class Worker:
             draining=self.draining,
             step_load=load.step_load,
             region=self.subjects.region,
+            adapters=load.adapters,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:

@@ -202,7 +202,8 @@ def adaptable_linears(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Every adaptable projection's name → ``(in_features, out_features)``."""
     out: dict[str, tuple[int, int]] = {}
     for parent_name, child, parts in _adaptable(model):
-        in_features = int(model.get_submodule(f"{parent_name}.{child}".lstrip(".")).in_features)
+        layer = model.get_submodule(f"{parent_name}.{child}".lstrip("."))
+        in_features = int(layer.in_features)  # type: ignore[arg-type]
         for name, n in parts:
             out[name] = (in_features, n)
     return out

@@ -114,8 +114,9 @@ class LoraSlots:
         self.slots[slot] = Loaded(adapter)
         self.by_name[name] = slot
         self.loads += 1
-        log.info("LoRA adapter %s loaded into slot %d (rank %d, %s)", name, slot, adapter.rank,
-                 source)
+        log.info(
+            "LoRA adapter %s loaded into slot %d (rank %d, %s)", name, slot, adapter.rank, source
+        )
         return slot
 
     def unload(self, name: str) -> bool:

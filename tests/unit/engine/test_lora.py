@@ -30,6 +30,7 @@ pytestmark = [
     pytest.mark.unit,
     # peft 0.21 calls transformers 5's deprecated alias while wrapping a model.
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers`:UserWarning"),
 ]
 
 peft = pytest.importorskip("peft")
@@ -79,9 +80,7 @@ def lora_engine(tmp_path: Path, **kw: Any) -> LLMEngine:
     return LLMEngine(model, None, engine_settings(model, **defaults), "tiny")
 
 
-@pytest.mark.parametrize(
-    ("cpu_kernels", "compile"), [("off", False), ("on", False), ("on", True)]
-)
+@pytest.mark.parametrize(("cpu_kernels", "compile"), [("off", False), ("on", False), ("on", True)])
 def test_one_batch_of_three_adapters_and_the_base_answers_each_rows_own(
     tmp_path: Path, cpu_kernels: str, compile: bool
 ) -> None:
@@ -98,12 +97,19 @@ def test_one_batch_of_three_adapters_and_the_base_answers_each_rows_own(
         "": tiny_model("llama"),
     }
     ps = prompts()[:4]
-    refs = {(name, i): reference_greedy(m, p, MAX_NEW) for name, m in refs_models.items()
-            for i, p in enumerate(ps)}
+    refs = {
+        (name, i): reference_greedy(m, p, MAX_NEW)
+        for name, m in refs_models.items()
+        for i, p in enumerate(ps)
+    }
     assert len({tuple(refs[(n, 0)]) for n in refs_models}) == 4  # four different answers
     engine = lora_engine(
-        tmp_path, cpu_kernels=cpu_kernels, compile=compile, max_num_seqs=16,
-        max_num_batched_tokens=64, prefill_chunk_tokens=64,
+        tmp_path,
+        cpu_kernels=cpu_kernels,
+        compile=compile,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        prefill_chunk_tokens=64,
     )
     assert engine.runner.compiling == compile
     subs, adapters = [], {}
@@ -122,8 +128,10 @@ def test_one_batch_of_three_adapters_and_the_base_answers_each_rows_own(
     # Prompts 0 and 1 of different adapters ran together: none reused another's blocks.
     assert all(results[(f"{n or 'base'}-0", 0)].num_cached_tokens == 0 for n in refs_models)
     assert engine.pool.num_used == 0
-    assert engine.loras is not None and engine.loras.slots and all(
-        loaded.refs == 0 for loaded in engine.loras.slots.values()
+    assert (
+        engine.loras is not None
+        and engine.loras.slots
+        and all(loaded.refs == 0 for loaded in engine.loras.slots.values())
     )
 
 
@@ -151,8 +159,12 @@ def test_an_adapter_on_gguf_blocks_answers_as_the_converted_float_model(tmp_path
     fmt = EngineSettings(quantization="gguf", cpu_kernels="on", quant_activations="float32")
     assert quant.quantize_model(model, tmp_path / "tiny", fmt).layers == {"gguf-q4_1": 15}
     settings = engine_settings(
-        model, quantization="gguf", cpu_kernels="on", quant_activations="float32",
-        max_loras=1, lora_dir=str(tmp_path / "adapters"),
+        model,
+        quantization="gguf",
+        cpu_kernels="on",
+        quant_activations="float32",
+        max_loras=1,
+        lora_dir=str(tmp_path / "adapters"),
     )
     engine = LLMEngine(model, None, settings, "tiny")
     subs = [Submission(f"r{i}", p, GREEDY, arrive_at_step=i) for i, p in enumerate(ps)]
@@ -171,7 +183,9 @@ def test_bad_adapters_are_refused_whole_naming_what_does_not_fit(tmp_path: Path)
             slots.load("bad", path)
         assert not slots.slots and not slots.by_name  # nothing kept
         for layer in slots.bank.layers:  # no tensor half-written
-            assert not any(b.any() for b in layer.buffers(recurse=False) if b is not layer.lora_mask)
+            assert not any(
+                b.any() for b in layer.buffers(recurse=False) if b is not layer.lora_mask
+            )
 
     make_adapter(tmp_path / "rank", 1, r=8)
     refused(tmp_path / "rank", "rank r = 8 exceeds engine.max_lora_rank = 4")
@@ -252,13 +266,17 @@ def test_slots_are_bounded_evicted_lru_when_idle_and_unload_lets_running_request
         engine.add_request("a1", p, GREEDY, lora="a")
     assert e.value.code == "no_capacity" and "engine.max_loras" in str(e.value)
     # "b" unloaded while b1 runs: b1 finishes on it; the slot is cleared after.
-    engine.step()
-    b_slot = slots.by_name["b"]
-    assert slots.unload("b") and slots.loaded() == ["c"]
     out: dict[str, list[int]] = {"b1": [], "c1": []}
-    while engine.has_unfinished():
+    b_slot = slots.by_name["b"]
+    for step in range(100):
+        if step == 2:  # b1 is running on "b"
+            assert "b1" in engine.requests and slots.slots[b_slot].refs == 1
+            assert slots.unload("b") and slots.loaded() == ["c"]
         for o in engine.step():
             out[o.request_id] += o.chunk.token_ids
+        if not engine.has_unfinished():
+            break
+    assert step > 2
     assert out == {"b1": ref["b"], "c1": ref["c"]}
     assert list(slots.slots) == [slots.by_name["c"]]
     bank = engine.runner.lora
