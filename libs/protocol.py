@@ -445,6 +445,30 @@ class DrainRequest(Struct, kw_only=True):
     reason: str = "operator"
 
 
+class AdapterCommand(Struct, kw_only=True):
+    """Operator → ``Subjects.adapters(pool)`` (core NATS, fleet account only; ``strait adapters``
+    and the gateway's admin endpoint): every worker of the pool loads, unloads or lists its
+    LoRA adapters (docs/engine.md "LoRA adapters") and answers with an ``AdapterReply``.
+    ``load`` reads ``path`` (a directory on the worker's machine) or
+    ``<pool.adapters_dir>/<name>``; ``unload`` frees the adapter's slot once the requests
+    running on it have finished (none is cut short)."""
+
+    v: int = PROTOCOL_VERSION
+    action: Literal["load", "unload", "list"]
+    name: str = ""  # the adapter (load, unload)
+    path: str = ""  # load: its directory ("": the pool's adapters_dir/<name>)
+
+
+class AdapterReply(Struct, kw_only=True):
+    """A worker's answer to an ``AdapterCommand``: what it holds after it."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    ok: bool = True
+    error: str = ""  # why not: the adapter refused, unknown, or no LoRA slots
+    loaded: list[str] = msgspec.field(default_factory=list)
+
+
 class StreamOwner(Struct, kw_only=True):
     """Decode worker → ``Subjects.stream_owner`` (core NATS) when it admits a handoff: it writes
     the request's stream from now on. The router's watch follows it, so that the decode
@@ -846,6 +870,10 @@ class Subjects:
     def drain(self, worker_id: str) -> str:
         return f"{self.prefix}.admin.drain.{worker_id}"
 
+    def adapters(self, pool: str) -> str:
+        """``AdapterCommand`` to every worker of ``pool``."""
+        return f"{self.prefix}.admin.adapters.{pool}"
+
     @property
     def stream_owner(self) -> str:
         return f"{self.prefix}.handoff.owner"
@@ -988,6 +1016,8 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "HandoffAbort": HandoffAbort,
     "StreamOwner": StreamOwner,
     "DrainRequest": DrainRequest,
+    "AdapterCommand": AdapterCommand,
+    "AdapterReply": AdapterReply,
     "WorkerBeat": WorkerBeat,
     "RouterBeat": RouterBeat,
     "KvEvent": KvEvent,

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,14 @@ class _Import:
 
 
 @dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (LoRA adapter control)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+
+
+@dataclass(slots=True)
 class PrefillResult:
     """What :meth:`AsyncEngineBackend.prefill` returns: the request's only output chunk (its
     first token, or its end) and the prompt's full KV blocks (None when none is full)."""
@@ -115,7 +123,7 @@ class AsyncEngineBackend:
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Import] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Import | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, OutputStream] = {}
@@ -284,6 +292,25 @@ class AsyncEngineBackend:
         self._submit(_Import(kv, done))
         return await done
 
+    async def adapters(self, action: str, name: str = "", path: str = "") -> list[str]:
+        """Load, unload or list LoRA adapters on the engine thread (between steps); the
+        adapters loaded after. Raises AdapterError (refused), KeyError (not found) or
+        BackendError (engine.max_loras = 0)."""
+
+        def call(engine: LLMEngine) -> list[str]:
+            slots = engine.loras
+            if slots is None:
+                raise BackendError("invalid_request", "this engine has no LoRA slots")
+            if action == "load":
+                slots.load(name, path or None)
+            elif action == "unload" and not slots.unload(name):
+                raise KeyError(name)
+            return slots.loaded()
+
+        done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self._submit(_Call(call, done))
+        return await done
+
     async def _run_request(self, add: _Add) -> AsyncIterator[StepOutput | PrefillResult]:
         if self._thread is None:
             raise BackendError("internal_error", "the engine is not started")
@@ -342,7 +369,7 @@ class AsyncEngineBackend:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _submit(self, cmd: _Add | _Abort | _Import) -> None:
+    def _submit(self, cmd: _Add | _Abort | _Import | _Call) -> None:
         self._inbox.put(cmd)
         self._wake.set()
 
@@ -383,6 +410,9 @@ class AsyncEngineBackend:
             if isinstance(cmd, _Import):
                 self._import(engine, cmd)
                 continue
+            if isinstance(cmd, _Call):
+                self._call(engine, cmd)
+                continue
             try:
                 engine.add_request(
                     cmd.request_id,
@@ -410,6 +440,15 @@ class AsyncEngineBackend:
             return out
         prompt = self._exports.pop(out.request_id)
         return PrefillResult(out.request_id, out.chunk, engine.export_prefix(prompt))
+
+    def _call(self, engine: LLMEngine, cmd: _Call) -> None:
+        assert self._loop is not None
+        try:
+            result = cmd.fn(engine)
+        except Exception as e:  # the caller's to report (an adapter refused, not found)
+            self._loop.call_soon_threadsafe(_set_exception, cmd.done, e)
+            return
+        self._loop.call_soon_threadsafe(_set_result, cmd.done, result)
 
     def _import(self, engine: LLMEngine, cmd: _Import) -> None:
         assert self._loop is not None
@@ -468,11 +507,11 @@ class AsyncEngineBackend:
         )
 
 
-def _set_result(fut: asyncio.Future[int], n: int) -> None:
+def _set_result(fut: asyncio.Future[Any], n: Any) -> None:
     if not fut.done():
         fut.set_result(n)
 
 
-def _set_exception(fut: asyncio.Future[int], e: BaseException) -> None:
+def _set_exception(fut: asyncio.Future[Any], e: BaseException) -> None:
     if not fut.done():
         fut.set_exception(e)

@@ -53,7 +53,7 @@ def test_an_adapter_and_the_base_in_one_batch_answer_as_peft_merged(
         kv_cache_bytes=64 * 2**20, max_loras=2, max_lora_rank=8, lora_dir=str(tmp_path)
     )
     engine = LLMEngine(load(), None, settings, "smollm2-135m-instruct")
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)  # stops at EOS, as generate
     for i, p in enumerate(prompts):
         engine.add_request(f"t{i}", p, greedy, lora="tuned")
         engine.add_request(f"b{i}", p, greedy)
