@@ -46,6 +46,10 @@ class Decision:
         crossing = self.regions.crossing(p, self.cross) if self.regions is not None else ""
         if crossing:
             factors.append(f"cross_region={p.region_cost:.3f}")
+        if self.code == "explicit_adapter":  # the LoRA adapter loaded there, or its cost
+            factors.append(
+                f"adapter_miss={p.adapter_cost:.3f}" if p.adapter_cost else "adapter=loaded"
+            )
         return RouteReason(
             pool=self.pool,
             worker_id=p.worker.worker_id,

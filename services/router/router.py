@@ -168,6 +168,16 @@ class Router(Holds, Moves, Replies):
             return None
         return PoolChoice(pool, "explicit_adapter", allowed=[pool])
 
+    def adapter_misses(
+        self, req: GenerateRequest, code: str, workers: list[WorkerView]
+    ) -> dict[str, float] | None:
+        """``router.adapter_miss_cost`` for each worker whose beats do not list the LoRA
+        adapter ``req`` names as loaded (None: the request names none)."""
+        if code != "explicit_adapter":
+            return None
+        cost = self.cfg.adapter_miss_cost
+        return {w.worker_id: cost for w in workers if req.model not in w.beat.adapters}
+
     # ------------------------------------------------------------ the decision
 
     def decide(
@@ -221,8 +231,9 @@ class Router(Holds, Moves, Replies):
             req, pool, first.model, first.model_id or first.model, first.block_size
         )
         overlaps = self.registry.overlaps(hashes) if hashes else {}
+        misses = self.adapter_misses(req, code, workers)
         ranked, cross = self.regions.rank(
-            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS
+            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS, misses
         )
         decode_workers: list[str] = []
         if ranked[0].worker.beat.role == "prefill":

@@ -95,3 +95,28 @@ def test_a_worker_runs_an_adapter_only_for_an_adapters_name() -> None:
     for base in ("", "auto", "small", SMALL, f"{SMALL}@gguf+a8"):
         assert adapter_of(base, "small", names) == ""
     assert adapter_of("alpha", "small", names) == "alpha"
+
+
+def test_placement_prefers_the_worker_holding_the_adapter_weighed_with_load(
+    tmp_path: Path,
+) -> None:
+    s = fleet_settings(tmp_path)
+
+    def placed(busy_holder: int) -> tuple[str, list[str]]:
+        holder = beat("s1", pool="small", model=SMALL, running=busy_holder)
+        holder.adapters = ["alpha"]
+        reg = registry(holder, beat("s2", pool="small", model=SMALL))
+        r = Router(None, None, s, reg, rng=random.Random(0))  # type: ignore[arg-type]
+        d = routed(r, request("hi", model="alpha"))
+        assert isinstance(d, Decision)
+        route = d.route(d.ranked[0])
+        return route.worker_id, route.factors
+
+    # Idle alike: the worker with the adapter loaded.
+    worker, factors = placed(0)
+    assert worker == "s1" and "adapter=loaded" in factors
+    # 2 of 10 running (load 0.2) still beats reading the adapter (0.5): the holder.
+    assert placed(2)[0] == "s1"
+    # 8 of 10 running (0.8 > 0.5): the idle worker without it, and the route says so.
+    worker, factors = placed(8)
+    assert worker == "s2" and "adapter_miss=0.500" in factors
