@@ -281,7 +281,7 @@ class LLMEngine:
                 "model",
             )
         try:
-            return self.loras.acquire(name)
+            slot = self.loras.acquire(name)
         except KeyError:
             raise BackendError(
                 "model_not_found", f"the model {name!r} does not exist", "model"
@@ -290,6 +290,8 @@ class LLMEngine:
             raise BackendError("model_not_found", f"adapter {name!r} refused: {e}", "model") from e
         except NoFreeSlot as e:
             raise BackendError("no_capacity", str(e), "model", retry_after_s=1.0) from e
+        metrics.LORA_REQUESTS.labels(adapter=name).inc()
+        return slot
 
     def _release_lora(self, req: _Request) -> None:
         if req.lora_slot and self.loras is not None:
@@ -597,6 +599,9 @@ class LLMEngine:
                 num_spec_proposed=seq.spec_proposed,
                 num_spec_accepted=seq.spec_accepted,
             )
+            if seq.lora_slot and self.loras is not None and seq.pending_token_ids:
+                adapter = self.loras.name(seq.lora_slot)
+                metrics.LORA_TOKENS.labels(adapter=adapter).inc(len(seq.pending_token_ids))
             seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = "", [], []
             last_of[seq.request_id] = len(outputs)
             outputs.append(StepOutput(seq.request_id, chunk, False))

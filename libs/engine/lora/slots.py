@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.engine import metrics
 from libs.engine.lora.adapter import Adapter, AdapterError, LoraTargets, check_name, read_adapter
 from libs.engine.lora.layers import LoraBank
 
@@ -79,6 +80,9 @@ class LoraSlots:
     def key(self, slot: int) -> str:
         return self.slots[slot].key
 
+    def name(self, slot: int) -> str:
+        return self.slots[slot].adapter.name
+
     # ------------------------------------------------------------------ requests
 
     def acquire(self, name: str) -> int:
@@ -114,6 +118,7 @@ class LoraSlots:
         self.slots[slot] = Loaded(adapter)
         self.by_name[name] = slot
         self.loads += 1
+        metrics.LORA_LOADS.labels(adapter=name).inc()
         log.info(
             "LoRA adapter %s loaded into slot %d (rank %d, %s)", name, slot, adapter.rank, source
         )
@@ -139,6 +144,7 @@ class LoraSlots:
             if self.slots[slot].refs == 0:
                 self.unload(name)
                 self.evictions += 1
+                metrics.LORA_EVICTIONS.labels(adapter=name).inc()
                 log.info("LoRA adapter %s evicted from slot %d (least recently used)", name, slot)
                 return slot
         raise NoFreeSlot(

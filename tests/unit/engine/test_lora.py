@@ -243,6 +243,17 @@ def test_unknown_adapter_and_an_engine_without_slots_say_model_not_found(tmp_pat
     assert not engine.requests and not plain.requests
 
 
+METRICS = ("requests", "output_tokens", "loads", "evictions")
+
+
+def metric(what: str, adapter: str) -> float:
+    """The engine's per-adapter counter ``strait_lora_<what>_total`` (0 before its first use)."""
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(f"strait_lora_{what}_total", {"adapter": adapter})
+    return value or 0.0
+
+
 def test_slots_are_bounded_evicted_lru_when_idle_and_unload_lets_running_requests_finish(
     tmp_path: Path,
 ) -> None:
@@ -252,12 +263,20 @@ def test_slots_are_bounded_evicted_lru_when_idle_and_unload_lets_running_request
     engine = lora_engine(tmp_path, max_loras=2)
     slots = engine.loras
     assert slots is not None
+    before = {m: {n: metric(m, n) for n in "abc"} for m in METRICS}
     results = serve(engine, [Submission(n, p, GREEDY) for n in "ab"], {"a": "a", "b": "b"})
     assert slots.loaded() == ["a", "b"] and slots.evictions == 0
     # "a" was used before "b": it goes when "c" needs a slot.
     results |= serve(engine, [Submission("c", p, GREEDY)], {"c": "c"})
     assert slots.loaded() == ["b", "c"] and slots.evictions == 1 and slots.loads == 3
     assert {n: results[(n, 0)].token_ids for n in "abc"} == ref
+    grew = {m: {n: metric(m, n) - before[m][n] for n in "abc"} for m in METRICS}
+    assert grew == {
+        "requests": {"a": 1, "b": 1, "c": 1},
+        "output_tokens": {n: MAX_NEW for n in "abc"},
+        "loads": {"a": 1, "b": 1, "c": 1},
+        "evictions": {"a": 1, "b": 0, "c": 0},
+    }
 
     # Both slots busy: a third adapter waits for none, it is refused as retryable.
     engine.add_request("b1", p, GREEDY, lora="b")
