@@ -316,3 +316,48 @@ def test_the_slots_bytes_come_out_of_the_kv_budget() -> None:
     assert reserved == bank.nbytes() + bank.mask.numel() * 4 == (2 * 2 * 1024 * 2 + 256 * 2) * 4
     per_block = settings.kv_cache_bytes // 256
     assert with_lora.runner.num_blocks == (256 * per_block - reserved) // per_block
+
+
+def test_adapters_through_the_cuda_graphs_bookkeeping(tmp_path: Path) -> None:
+    """The decode-graph path (engine.cuda_graphs; ``eager_capture`` replays each graph as a
+    plain call on the CPU): rows padded to the graph's bucket, steps with prompt tokens as
+    graphs, steps run ahead with the mask of the step before. Every row still gets its own
+    adapter's tokens."""
+    from libs.engine.cuda_graphs import eager_capture
+
+    refs_models = {
+        "a": make_adapter(tmp_path / "a", 1),
+        "b": make_adapter(tmp_path / "b", 2, targets=["o_proj", "down_proj"]),
+        "": tiny_model("llama"),
+    }
+    ps = prompts()[:2]
+    model = tiny_model("llama")
+    settings = engine_settings(
+        model,
+        num_blocks=64,
+        max_num_seqs=6,
+        cpu_kernels="off",
+        cuda_graph_batch_sizes=[1, 2, 4],
+        cuda_attention="sdpa",
+        cuda_graph_max_tokens=16,
+        max_loras=2,
+        max_lora_rank=4,
+        lora_dir=str(tmp_path),
+    )
+    engine = LLMEngine(model, None, settings, "tiny", graph_capture=eager_capture)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.lora is not None
+    assert not runner.lora.skip_idle  # a captured forward computes every step's update
+    subs, adapters = [], {}
+    for i, p in enumerate(ps):
+        for name in refs_models:
+            rid = f"{name or 'base'}-{i}"
+            adapters[rid] = name
+            subs.append(Submission(rid, p, GREEDY, arrive_at_step=2 * i))
+    results = serve(engine, subs, adapters)
+    for name, m in refs_models.items():
+        for i, p in enumerate(ps):
+            ref = reference_greedy(m, p, MAX_NEW)
+            assert results[(f"{name or 'base'}-{i}", 0)].token_ids == ref, (name, i)
+    assert runner.graphs.replays > 0 and runner.prompt_graph_steps > 0
+    assert 0 < runner.ahead_used <= runner.ahead_launched
