@@ -67,13 +67,6 @@ class LoraSlots:
         path = self.directory / name
         return path if path.is_dir() else None
 
-    def available(self) -> list[str]:
-        """Adapters this engine can serve: loaded ones and those in its directory."""
-        names = set(self.by_name)
-        if self.directory is not None and self.directory.is_dir():
-            names.update(p.name for p in self.directory.iterdir() if p.is_dir())
-        return sorted(names)
-
     def loaded(self) -> list[str]:
         return sorted(self.by_name)
 

@@ -233,6 +233,9 @@ def test_unknown_adapter_and_an_engine_without_slots_say_model_not_found(tmp_pat
     with pytest.raises(BackendError) as e:
         engine.add_request("x", [1, 2, 3], GREEDY, lora="nope")
     assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(BackendError) as e:  # never a path out of engine.lora_dir
+        engine.add_request("x", [1, 2, 3], GREEDY, lora="../a")
+    assert e.value.code == "model_not_found" and "adapter name" in str(e.value)
     make_adapter(tmp_path / "a", 1)
     model = tiny_model("llama")
     plain = LLMEngine(model, None, engine_settings(model, lora_dir=str(tmp_path)), "tiny")
