@@ -63,7 +63,9 @@ def run(engine: LLMEngine, streams: int, max_tokens: int, loras: list[str], voca
     t0 = time.perf_counter()
     for i in range(streams):
         prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt, greedy, lora=loras[i % len(loras)])
+        engine.add_request(
+            f"r{time.monotonic_ns()}-{i}", prompt, greedy, lora=loras[i % len(loras)]
+        )
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(o.chunk.token_ids) for o in engine.step())
