@@ -7,8 +7,10 @@ random A and small B) into a temporary directory, then runs, back to back and ``
 times: the base model on an engine without LoRA slots (``engine.max_loras = 0``), the base
 model on an engine with ``--adapters`` slots, and the adapters mixed evenly over the streams on
 that engine. Each run submits ``--streams`` requests at once (distinct prompts, greedy,
-``--max-tokens`` each) and reports output tokens/s from the first submission to the last
-token. The engine is driven directly (no fleet): what the forward's LoRA update costs, not
+``--max-tokens`` each) and reports output tokens per second of wall time, from the first
+submission to the last token, and per second of this process's CPU time (what the work costs
+whatever else the machine runs: on a shared machine the wall-time ratio drifts with the
+neighbours' load, the CPU-time one much less; with ``--threads 1`` it counts no idle spinning). The engine is driven directly (no fleet): what the forward's LoRA update costs, not
 the fleet's overhead (``strait bench serve`` measures that).
 """
 
@@ -56,11 +58,14 @@ def write_adapters(model: torch.nn.Module, directory: Path, count: int, rank: in
     return names
 
 
-def run(engine: LLMEngine, streams: int, max_tokens: int, loras: list[str], vocab: int) -> float:
-    """Output tokens/s of ``streams`` requests submitted at once (``loras[i % len]`` each)."""
+def run(
+    engine: LLMEngine, streams: int, max_tokens: int, loras: list[str], vocab: int
+) -> tuple[float, float]:
+    """Output tokens per wall second and per CPU second of ``streams`` requests submitted at
+    once (``loras[i % len]`` each)."""
     rng = random.Random(0)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(streams):
         prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
         engine.add_request(
@@ -69,7 +74,7 @@ def run(engine: LLMEngine, streams: int, max_tokens: int, loras: list[str], voca
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(o.chunk.token_ids) for o in engine.step())
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
 def main() -> None:
@@ -100,11 +105,13 @@ def main() -> None:
             a = run(plain, args.streams, args.max_tokens, [""], vocab)
             b = run(lora, args.streams, args.max_tokens, [""], vocab)
             c = run(lora, args.streams, args.max_tokens, names, vocab)
-            print(
-                f"round {r + 1}: base {a:.1f} tok/s | base on a {args.adapters}-slot engine "
-                f"{b:.1f} ({b / a:.0%}) | {args.adapters} adapters mixed {c:.1f} ({c / a:.0%})",
-                flush=True,
-            )
+            for i, unit in enumerate(("wall", "CPU")):
+                print(
+                    f"round {r + 1} ({unit}): base {a[i]:.1f} tok/s | base on a "
+                    f"{args.adapters}-slot engine {b[i]:.1f} ({b[i] / a[i]:.0%}) | "
+                    f"{args.adapters} adapters mixed {c[i]:.1f} ({c[i] / a[i]:.0%})",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
