@@ -302,7 +302,7 @@ SUBJECTS: dict[str, SubjectDoc] = {
         ("<pool>",),
         "AdapterCommand → AdapterReply from every worker of the pool (request, many replies)",
         "core NATS",
-        "operators (`strait adapters load|unload|list`)",
+        "operators (`strait adapters`: load, unload, list)",
         "every worker of that pool",
         False,
     ),
