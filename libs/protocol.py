@@ -331,6 +331,9 @@ class WorkerBeat(Struct, kw_only=True):
     # The worker's region (``nats.region``, its NATS cluster; "": one region): routers place
     # in their own region first (docs/regions.md).
     region: str = ""
+    # LoRA adapters loaded now (engine.max_loras; docs/engine.md "LoRA adapters"): a request
+    # naming one of them in ``model`` runs without loading it first.
+    adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class RouterBeat(Struct, kw_only=True):
@@ -451,6 +454,30 @@ class DrainRequest(Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
     worker_id: str
     reason: str = "operator"
+
+
+class AdapterCommand(Struct, kw_only=True):
+    """Operator → ``Subjects.adapters(pool)`` (core NATS, fleet account only; ``strait adapters``
+    and the gateway's admin endpoint): every worker of the pool loads, unloads or lists its
+    LoRA adapters (docs/engine.md "LoRA adapters") and answers with an ``AdapterReply``.
+    ``load`` reads ``path`` (a directory on the worker's machine) or
+    ``<pool.adapters_dir>/<name>``; ``unload`` frees the adapter's slot once the requests
+    running on it have finished (none is cut short)."""
+
+    v: int = PROTOCOL_VERSION
+    action: Literal["load", "unload", "list"]
+    name: str = ""  # the adapter (load, unload)
+    path: str = ""  # load: its directory ("": the pool's adapters_dir/<name>)
+
+
+class AdapterReply(Struct, kw_only=True):
+    """A worker's answer to an ``AdapterCommand``: what it holds after it."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    ok: bool = True
+    error: str = ""  # why not: the adapter refused, unknown, or no LoRA slots
+    loaded: list[str] = msgspec.field(default_factory=list)
 
 
 class StreamOwner(Struct, kw_only=True):
@@ -854,6 +881,10 @@ class Subjects:
     def drain(self, worker_id: str) -> str:
         return f"{self.prefix}.admin.drain.{worker_id}"
 
+    def adapters(self, pool: str) -> str:
+        """``AdapterCommand`` to every worker of ``pool``."""
+        return f"{self.prefix}.admin.adapters.{pool}"
+
     @property
     def stream_owner(self) -> str:
         return f"{self.prefix}.handoff.owner"
@@ -996,6 +1027,8 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "HandoffAbort": HandoffAbort,
     "StreamOwner": StreamOwner,
     "DrainRequest": DrainRequest,
+    "AdapterCommand": AdapterCommand,
+    "AdapterReply": AdapterReply,
     "WorkerBeat": WorkerBeat,
     "RouterBeat": RouterBeat,
     "KvEvent": KvEvent,

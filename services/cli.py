@@ -13,6 +13,8 @@ strait teams add|list|revoke teams on NATS: credentials and the server's account
 strait models prepare|convert|list
 strait bench serve|engine|quality|structured
 strait drain WORKER_ID       drain one worker over NATS (as SIGTERM does), then it exits
+strait adapters load|unload|list [NAME] [--pool P] [--path DIR]
+                             a pool's LoRA adapters at run time (services/adapters.py)
 strait schemas               write the wire protocol's JSON schemas to docs/schemas/
 
 ``strait bench NAME`` imports ``bench.NAME`` only when it runs (``BENCHES``): the product
@@ -123,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     dr.add_argument("worker_id")
     dr.add_argument("--reason", default="operator")
+
+    ad = sub.add_parser("adapters", help="load, unload or list a pool's LoRA adapters")
+    ad.add_argument("action", choices=["load", "unload", "list"])
+    ad.add_argument("name", nargs="?", default="")
+    ad.add_argument("--pool", default="", help="the pool (default: the first)")
+    ad.add_argument("--path", default="", help="load: the adapter's directory on the workers")
 
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
     sc.add_argument("--out", default="docs/schemas")
@@ -338,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         return _teams(settings, args)
     if args.cmd == "drain":
         return _drain(settings, args.worker_id, args.reason)
+    if args.cmd == "adapters":
+        from services.adapters import run_cli
+
+        return run_cli(settings, args.action, args.name, args.pool, args.path)
     if args.cmd == "models":
         return _models(args)
     if args.cmd == "bench":

@@ -298,6 +298,14 @@ SUBJECTS: dict[str, SubjectDoc] = {
         "that worker",
         False,
     ),
+    "adapters": SubjectDoc(
+        ("<pool>",),
+        "AdapterCommand → AdapterReply from every worker of the pool (request, many replies)",
+        "core NATS",
+        "operators (`strait adapters`: load, unload, list)",
+        "every worker of that pool",
+        False,
+    ),
     "stream_owner": SubjectDoc(
         (),
         "StreamOwner",

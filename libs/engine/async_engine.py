@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,7 @@ class _Add:
     # (before a later step can evict them); delivered as a PrefillResult.
     export: bool = False
     tenant: Tenant | None = None
+    lora: str = ""  # PreparedPrompt.lora
 
 
 @dataclass(slots=True)
@@ -76,6 +77,14 @@ class _Abort:
 class _Import:
     kv: KvBlocks
     done: asyncio.Future[int]
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (LoRA adapter control)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
 
 
 @dataclass(slots=True)
@@ -115,7 +124,7 @@ class AsyncEngineBackend:
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Import] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Import | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, OutputStream] = {}
@@ -241,6 +250,7 @@ class AsyncEngineBackend:
             list(prompt.matchers),
             list(prompt.prediction_ids),
             tenant=tenant,
+            lora=prompt.lora,
         )
         async for item in self._run_request(add):
             assert isinstance(item, StepOutput)
@@ -273,6 +283,7 @@ class AsyncEngineBackend:
             matchers=list(prompt.matchers[:1]),
             export=True,
             tenant=tenant,
+            lora=prompt.lora,
         )
         async for item in self._run_request(add):
             if isinstance(item, PrefillResult):
@@ -284,6 +295,25 @@ class AsyncEngineBackend:
         next request with that prefix gets them as hits. Returns the blocks new here."""
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._submit(_Import(kv, done))
+        return await done
+
+    async def adapters(self, action: str, name: str = "", path: str = "") -> list[str]:
+        """Load, unload or list LoRA adapters on the engine thread (between steps); the
+        adapters loaded after. Raises AdapterError (refused), KeyError (not found) or
+        BackendError (engine.max_loras = 0)."""
+
+        def call(engine: LLMEngine) -> list[str]:
+            slots = engine.loras
+            if slots is None:
+                raise BackendError("invalid_request", "this engine has no LoRA slots")
+            if action == "load":
+                slots.load(name, path or None)
+            elif action == "unload" and not slots.unload(name):
+                raise KeyError(name)
+            return slots.loaded()
+
+        done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self._submit(_Call(call, done))
         return await done
 
     async def _run_request(self, add: _Add) -> AsyncIterator[StepOutput | PrefillResult]:
@@ -337,13 +367,14 @@ class AsyncEngineBackend:
             kv_blocks_free=s.kv_blocks_free,
             capacity=s.capacity,
             block_size=s.block_size,
+            adapters=s.adapters,
             stored_hashes=stored,
             evicted_hashes=evicted,
         )
 
     # ------------------------------------------------------------------ engine thread
 
-    def _submit(self, cmd: _Add | _Abort | _Import) -> None:
+    def _submit(self, cmd: _Add | _Abort | _Import | _Call) -> None:
         self._inbox.put(cmd)
         self._wake.set()
 
@@ -384,6 +415,9 @@ class AsyncEngineBackend:
             if isinstance(cmd, _Import):
                 self._import(engine, cmd)
                 continue
+            if isinstance(cmd, _Call):
+                self._call(engine, cmd)
+                continue
             try:
                 engine.add_request(
                     cmd.request_id,
@@ -395,6 +429,7 @@ class AsyncEngineBackend:
                     cmd.matchers,
                     cmd.prediction_ids,
                     cmd.tenant,
+                    lora=cmd.lora,
                 )
             except BackendError as e:
                 self._deliver_error(cmd.request_id, e)
@@ -411,6 +446,15 @@ class AsyncEngineBackend:
             return out
         prompt = self._exports.pop(out.request_id)
         return PrefillResult(out.request_id, out.chunk, engine.export_prefix(prompt))
+
+    def _call(self, engine: LLMEngine, cmd: _Call) -> None:
+        assert self._loop is not None
+        try:
+            result = cmd.fn(engine)
+        except Exception as e:  # the caller's to report (an adapter refused, not found)
+            self._loop.call_soon_threadsafe(_set_exception, cmd.done, e)
+            return
+        self._loop.call_soon_threadsafe(_set_result, cmd.done, result)
 
     def _import(self, engine: LLMEngine, cmd: _Import) -> None:
         assert self._loop is not None
@@ -465,14 +509,15 @@ class AsyncEngineBackend:
             capacity=self.settings.max_num_seqs,
             block_size=self.settings.block_size,
             step_load=engine.step_load(),
+            adapters=engine.loras.loaded() if engine.loras is not None else [],
         )
 
 
-def _set_result(fut: asyncio.Future[int], n: int) -> None:
+def _set_result(fut: asyncio.Future[Any], n: Any) -> None:
     if not fut.done():
         fut.set_result(n)
 
 
-def _set_exception(fut: asyncio.Future[int], e: BaseException) -> None:
+def _set_exception(fut: asyncio.Future[Any], e: BaseException) -> None:
     if not fut.done():
         fut.set_exception(e)

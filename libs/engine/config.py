@@ -199,6 +199,18 @@ class EngineSettings(BaseModel):
     # power of two.
     cuda_attention: Literal["auto", "triton", "sdpa"] = "auto"
 
+    # LoRA adapters (libs/engine/lora, docs/engine.md "LoRA adapters"): at most this many
+    # loaded at once, each request's rows updated by its own in one batch; 0: none (the
+    # forward untouched). Every linear then costs max_loras * max_lora_rank * (in + out)
+    # more multiply-adds a row, and the slots' bytes come out of the KV budget.
+    max_loras: int = Field(default=0, ge=0, le=64)
+    # Highest adapter rank served (an adapter of a higher rank is refused); slots are this wide.
+    max_lora_rank: int = Field(default=16, ge=1, le=64)
+    # The adapters this engine loads by name: `<lora_dir>/<name>/adapter_config.json` +
+    # `adapter_model.safetensors` (a pool's `adapters_dir` sets it); "": only those loaded by
+    # path.
+    lora_dir: str = ""
+
     @model_validator(mode="after")
     def _resolve_auto_dtype(self) -> EngineSettings:
         if self.dtype == "auto":

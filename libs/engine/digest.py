@@ -36,6 +36,8 @@ UNSHAPING = {
     "cuda_graph_max_tokens",
     "cuda_run_ahead",
     "cuda_attention",
+    # Where LoRA adapters are read from (engine.max_loras / max_lora_rank do shape it).
+    "lora_dir",
 }
 # Modules whose source shapes the compiled graph, relative to libs/engine.
 GRAPH_SOURCES = (
@@ -54,6 +56,7 @@ GRAPH_SOURCES = (
     "quant/serve.py",
     "quant/int4.py",
     "quant/int8.py",
+    "lora/layers.py",
 )
 
 

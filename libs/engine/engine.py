@@ -40,6 +40,7 @@ from libs.engine.hashing import chain_hashes
 from libs.engine.kv_manager import KvManager
 from libs.engine.kv_transfer import KvBlocks
 from libs.engine.loader import load_model
+from libs.engine.lora import AdapterError, LoraSlots, NoFreeSlot
 from libs.engine.model_runner import ModelRunner
 from libs.engine.outputs import GenerationChunk, Resume
 from libs.engine.params import (
@@ -87,6 +88,8 @@ class _Request:
     matchers: list[Any] = field(default_factory=list)  # unused fresh matchers of grammar
     prediction: list[int] = field(default_factory=list)  # predicted output's tokens
     tenant: Tenant = field(default_factory=Tenant)  # every choice is served as it
+    lora_slot: int = 0  # its LoRA adapter's slot (0: none), released when it ends
+    lora_key: str = ""  # salts its sequences' block hashes
 
 
 class LLMEngine:
@@ -145,6 +148,12 @@ class LLMEngine:
         )
         if self.speculator is not None:
             self.speculator.cost = self.step_cost.decode
+        # LoRA adapters by name (engine.max_loras; None when 0).
+        self.loras: LoraSlots | None = None
+        if self.runner.lora is not None:
+            names = {model_id.split("@")[0], getattr(model.config, "_name_or_path", "") or ""}
+            targets = self.runner.lora.targets({n for n in names if n})
+            self.loras = LoraSlots(self.runner.lora, targets, settings.lora_dir)
         self.last_step_decode_only = False
         self.num_steps = 0
         # Resumed sequences whose given first token is reported by the next step.
@@ -183,6 +192,7 @@ class LLMEngine:
         matchers: Seq[Any] = (),
         prediction: Seq[int] = (),
         tenant: Tenant | None = None,
+        lora: str = "",
     ) -> None:
         """Queue a request (its choice 0; choices 1..n-1 fork once the prompt is computed).
 
@@ -192,7 +202,9 @@ class LLMEngine:
         ``Grammars.compile``) that every choice's output follows; ``matchers``: fresh matchers
         of it made off this thread (choices without one get a new one here). ``prediction``:
         the tokens of the request's predicted output, proposed first by the speculator.
-        ``tenant``: who the request is served as in the scheduler's fair share."""
+        ``tenant``: who the request is served as in the scheduler's fair share.
+        ``lora``: the name of the LoRA adapter its rows run with ("": the base model), loaded
+        from ``engine.lora_dir`` if it is not (see :meth:`acquire_lora`)."""
         if resume is not None and sampling.n != 1:
             raise BackendError("invalid_request", "a resumed request has one choice", "n")
         if request_id in self.requests:
@@ -209,6 +221,9 @@ class LLMEngine:
         req = _Request(
             request_id, sampling, [], grammar, list(matchers), list(prediction), tenant or Tenant()
         )
+        if lora:
+            req.lora_slot = self.acquire_lora(lora)
+            req.lora_key = self.loras.key(req.lora_slot) if self.loras is not None else ""
         seq = self._new_sequence(req, 0, list(prompt_token_ids), priority)
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -261,13 +276,48 @@ class LLMEngine:
             detokenizer=detok,
             matcher=matcher,
             prediction=req.prediction,
+            lora_slot=req.lora_slot,
+            lora_key=req.lora_key,
         )
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def acquire_lora(self, name: str) -> int:
+        """The slot of adapter ``name`` for one request (loaded from ``engine.lora_dir`` when
+        it is not); the engine releases it when the request ends. BackendError when this
+        engine cannot serve it: ``model_not_found`` (unknown or refused adapter) or
+        ``no_capacity`` (every slot runs requests)."""
+        if self.loras is None:
+            raise BackendError(
+                "model_not_found",
+                f"the model {name!r} does not exist (this engine serves no LoRA adapters: "
+                "engine.max_loras = 0)",
+                "model",
+            )
+        try:
+            slot = self.loras.acquire(name)
+        except KeyError:
+            raise BackendError(
+                "model_not_found", f"the model {name!r} does not exist", "model"
+            ) from None
+        except AdapterError as e:
+            raise BackendError("model_not_found", f"adapter {name!r} refused: {e}", "model") from e
+        except NoFreeSlot as e:
+            raise BackendError("no_capacity", str(e), "model", retry_after_s=1.0) from e
+        metrics.LORA_REQUESTS.labels(adapter=name).inc()
+        return slot
+
+    def _release_lora(self, req: _Request) -> None:
+        if req.lora_slot and self.loras is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = 0
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; no further output. False if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self._release_lora(req)
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -563,6 +613,9 @@ class LLMEngine:
                 num_spec_proposed=seq.spec_proposed,
                 num_spec_accepted=seq.spec_accepted,
             )
+            if seq.lora_slot and self.loras is not None and seq.pending_token_ids:
+                adapter = self.loras.name(seq.lora_slot)
+                metrics.LORA_TOKENS.labels(adapter=adapter).inc(len(seq.pending_token_ids))
             seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = "", [], []
             last_of[seq.request_id] = len(outputs)
             outputs.append(StepOutput(seq.request_id, chunk, False))
@@ -570,6 +623,7 @@ class LLMEngine:
             req = self.requests[request_id]
             if len(req.seqs) == req.sampling.n and all(s.is_finished for s in req.seqs):
                 outputs[i].request_finished = True
+                self._release_lora(req)
                 del self.requests[request_id]
         return outputs
 

@@ -29,11 +29,13 @@ class KvManager:
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         """Extend ``seq.block_hashes`` to cover its first ``num_full_blocks`` full blocks."""
         bs = self.block_size
+        # A LoRA adapter's blocks hash apart from the base model's and every other adapter's.
+        model_id = f"{self.model_id}+{seq.lora_key}" if seq.lora_key else self.model_id
         while len(seq.block_hashes) < num_full_blocks:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
             seq.block_hashes.append(
-                block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], self.model_id)
+                block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], model_id)
             )
 
     # ------------------------------------------------------------------ admission

@@ -107,9 +107,12 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(settings: EngineSettings, shape: ModelShape, device: torch.device) -> int:
+def num_kv_blocks(
+    settings: EngineSettings, shape: ModelShape, device: torch.device, reserved_bytes: int = 0
+) -> int:
     """Blocks that fit the KV budget: ``kv_cache_bytes`` when set, else
-    ``kv_cache_memory_fraction`` of free memory."""
+    ``kv_cache_memory_fraction`` of free memory; less ``reserved_bytes`` taken from it by
+    other tensors of the engine (LoRA adapter slots)."""
     per_block = KvCache.bytes_per_block(
         shape.num_layers,
         settings.block_size,
@@ -120,4 +123,4 @@ def num_kv_blocks(settings: EngineSettings, shape: ModelShape, device: torch.dev
     budget = settings.kv_cache_bytes or int(
         available_memory_bytes(device) * settings.kv_cache_memory_fraction
     )
-    return budget // per_block
+    return max(0, budget - reserved_bytes) // per_block

@@ -60,3 +60,21 @@ SPEC_ACCEPTED_LENGTH = Histogram(
     ["model", "method"],
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
 )
+
+# LoRA adapters (libs/engine/lora), by adapter name (bounded by the pool's adapters).
+LORA_REQUESTS = Counter(
+    "strait_lora_requests_total", "Requests admitted on a LoRA adapter", ["adapter"]
+)
+LORA_TOKENS = Counter(
+    "strait_lora_output_tokens_total", "Output tokens generated on a LoRA adapter", ["adapter"]
+)
+LORA_LOADS = Counter(
+    "strait_lora_loads_total",
+    "LoRA adapters read from disk into a slot (on demand or by strait adapters load)",
+    ["adapter"],
+)
+LORA_EVICTIONS = Counter(
+    "strait_lora_evictions_total",
+    "LoRA adapters evicted from their slot, least recently used, to make room for another",
+    ["adapter"],
+)

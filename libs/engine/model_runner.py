@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from libs.engine import attention, fuse, kernels, quant, triton_attention
+from libs.engine import attention, fuse, kernels, lora, quant, triton_attention
 from libs.engine.aot import AotForward
 from libs.engine.attention import AttentionMetadata, KvCache, PrefillSegment
 from libs.engine.config import EngineSettings
@@ -127,11 +127,14 @@ class ModelRunner:
         self.kv_dtype = DTYPES[settings.kv_dtype]  # engine.kv_cache_dtype, "auto" resolved
         self.block_size = settings.block_size
         self.shape = ModelShape.of(model.config)
-        self.num_blocks = num_kv_blocks(settings, self.shape, self.device)
+        # LoRA adapter slots (engine.max_loras) take their bytes out of the KV budget.
+        lora_bytes = lora.bank_bytes(model, settings, self.dtype)
+        self.num_blocks = num_kv_blocks(settings, self.shape, self.device, lora_bytes)
         if self.num_blocks < 1:
             raise ValueError(
                 "the KV budget holds no block; raise engine.kv_cache_bytes or "
                 "engine.kv_cache_memory_fraction"
+                + (" (or lower engine.max_loras / max_lora_rank)" if lora_bytes else "")
             )
         # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
@@ -171,6 +174,7 @@ class ModelRunner:
             n = pack_linears(model, self.kernels)
             log.info("CPU kernels: %d linear layers packed, paged attention", n)
         log.info("weights: %s", self.weights_summary())
+        self.lora = self._install_lora(settings, graph_capture is not None)
         # The forward under torch.compile (engine.compile; needs the kernels' ops): graphs kept
         # on disk ahead of time (engine.compile_aot, libs/engine/aot.py), or torch.compile's
         # own per-process compile.
@@ -221,6 +225,22 @@ class ModelRunner:
             if self.row_attention
             else "torch's",
         )
+
+    def _install_lora(self, settings: EngineSettings, graphs: bool) -> lora.LoraBank | None:
+        """The adapters' wrapped linears (engine.max_loras; None when 0), installed before
+        the forward is compiled or captured: a traced forward must compute every step's
+        update, so only the eager one skips it in steps without adapter rows."""
+        bank = lora.install(self.model, settings, self.device, self.dtype)
+        if bank is not None:
+            bank.skip_idle = not (settings.compile or graphs)
+            log.info(
+                "LoRA: %d slots of rank %d on %d linears (%.1f MiB of the KV budget)",
+                bank.num_slots,
+                bank.max_rank,
+                len(bank.layers),
+                bank.nbytes() / 2**20,
+            )
+        return bank
 
     def _decode_graphs(self, settings: EngineSettings, capture: Capture) -> DecodeGraphs:
         """Decode steps as graphs (decision 0018); with ``engine.compile`` the captured forward
@@ -280,6 +300,7 @@ class ModelRunner:
         keep: list[int] = []  # packed positions whose logits are sampled
         tables: list[list[int]] = []  # per entry: the blocks covering its context after the step
         token_entry: list[int] = []  # [T] index into `tables` of each token's sequence
+        lora_rows: list[int] = []  # [T] LoRA slot of each token's sequence (0: none)
         bs = self.block_size
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
@@ -292,8 +313,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             tables.append(table[: -(-(start + n) // bs)])
             token_entry.extend([i] * n)
+            lora_rows.extend([seq.lora_slot] * n)
             if item.samples:  # the last token's logits, then each proposal's
                 keep.extend(range(len(input_ids) - 1 - len(item.spec), len(input_ids)))
+        if self.lora is not None:
+            self.lora.set_rows(lora_rows)
         return self._forward(input_ids, positions, slots, keep, tables, token_entry)
 
     def _forward(

@@ -28,6 +28,9 @@ class PreparedPrompt:
     matchers: list[Any] = field(default_factory=list)
     # SamplingParams.prediction's tokens (speculation proposes from them first).
     prediction_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter the request runs with ("": the base model; engine.max_loras), set by
+    # the worker from the request's model name (services/worker/adapters.py).
+    lora: str = ""
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class LoadInfo:
     # at 1 they alone fill it, and every prompt this worker takes runs at the floor of
     # min_prefill_tokens a step. 0: no target, or no fit yet.
     step_load: float = 0.0
+    # LoRA adapters loaded now (engine.max_loras), announced in the worker's beats.
+    adapters: list[str] = field(default_factory=list)
     # Chain hashes stored/evicted since the last call (drained by the worker into KvEvents).
     stored_hashes: list[int] = field(default_factory=list)
     evicted_hashes: list[int] = field(default_factory=list)

@@ -100,6 +100,10 @@ class Sequence:
     # choices, and the proposer's index over it.
     prediction: list[int] = field(default_factory=list)
     prediction_index: Any = None
+    # The request's LoRA adapter (libs/engine/lora): its slot in the runner's stacks (0: none)
+    # and the key that salts this sequence's block hashes (""; no KV reuse across adapters).
+    lora_slot: int = 0
+    lora_key: str = ""
 
     @property
     def priority_class(self) -> int:

@@ -37,6 +37,9 @@ class Team(msgspec.Struct, kw_only=True):
     priority: Priority = "interactive"
     created_at: float = msgspec.field(default_factory=time.time)
     revoked_at: float | None = None
+    # LoRA adapters (names) only this team may use: another team's request for one is refused
+    # as an unknown model (docs/engine.md "LoRA adapters"). Others' adapters are open to all.
+    adapters: list[str] = msgspec.field(default_factory=list)
 
     @property
     def active(self) -> bool:

@@ -61,3 +61,7 @@ class PoolSettings(Section):
     """This pool's engine.speculative (None: engine's)."""
     itl_target_ms: float | None = None
     """This pool's engine.itl_target_ms (None: engine's)."""
+    adapters_dir: str = ""
+    """LoRA adapters this pool serves: `<adapters_dir>/<name>/` in PEFT's format
+    (`adapter_config.json` + `adapter_model.safetensors`); a request names one in `model`.
+    Its workers load them on demand (up to engine.max_loras, which must be > 0); "": none."""

@@ -121,6 +121,8 @@ class Settings(BaseSettings):
         """``engine`` with the pool's own weight-format and speculation overrides applied."""
         fields = ("quantization", "dtype", "kv_cache_dtype", "speculative", "itl_target_ms")
         update = {f: getattr(pool, f) for f in fields if getattr(pool, f) is not None}
+        if pool.adapters_dir:
+            update["lora_dir"] = pool.adapters_dir
         return self.engine.model_copy(update=update) if update else self.engine
 
     @property

@@ -76,6 +76,11 @@ class RouterSettings(Section):
     region_costs: dict[str, float] = Field(default_factory=dict)
     """Crossing cost to particular regions (region → cost), instead of
     `cross_region_cost`: a nearer region costs less."""
+    adapter_miss_cost: float = Field(default=0.5, ge=0)
+    """Placement cost added to a worker that does not have the request's LoRA adapter loaded
+    (its beats' `adapters`): it reads the adapter from disk first and may evict another.
+    Half a fully loaded worker by default: a worker holding the adapter wins until it is that
+    much more loaded than one without."""
     max_attempts: int = 3
     """Placements of one request (the first, re-placements and migrations) before it ends with
     worker_lost."""

@@ -19,7 +19,7 @@ MAX_OFFERS = 4
 @dataclass
 class PoolChoice:
     pool: str
-    code: str  # explicit_pool | explicit_model | auto_small | auto_large | auto_single_pool
+    code: str  # explicit_pool | explicit_model | explicit_adapter | auto_small | auto_large | auto_single_pool
     score: float | None = None
     factors: list[str] = field(default_factory=list)
     # Pools the request may run in, preferred first (spill-over targets after ``pool``).
@@ -46,6 +46,10 @@ class Decision:
         crossing = self.regions.crossing(p, self.cross) if self.regions is not None else ""
         if crossing:
             factors.append(f"cross_region={p.region_cost:.3f}")
+        if self.code == "explicit_adapter":  # the LoRA adapter loaded there, or its cost
+            factors.append(
+                f"adapter_miss={p.adapter_cost:.3f}" if p.adapter_cost else "adapter=loaded"
+            )
         return RouteReason(
             pool=self.pool,
             worker_id=p.worker.worker_id,

@@ -2,6 +2,7 @@
 
     cost(w) = overlap_weight * uncached_prompt_tokens(w) / prefill_norm_tokens
             + load_weight    * (running + waiting + pending) / capacity
+            [+ router.adapter_miss_cost when the request's LoRA adapter is not loaded on w]
 
 The first term is the prefill work the worker would still have to do (the prompt's leading
 blocks it already holds, from its KV events, are free); ``prefill_norm_tokens`` says how many
@@ -14,6 +15,12 @@ A worker of another region than the router's carries a crossing cost on top
 (``router.cross_region_cost``, per region ``router.region_costs``; ``extra``): the router
 decides which workers compete (its own region's first, docs/regions.md), and the crossing cost
 orders the regions among themselves and against a saturated local one.
+
+A request naming a LoRA adapter (docs/engine.md "LoRA adapters") costs
+``router.adapter_miss_cost`` more on a worker whose beats do not list it as loaded
+(``WorkerBeat.adapters``; ``adapter`` here): that worker reads it from disk first and may evict
+another adapter. Weighed with load and prefix overlap in the same sum, a worker holding the
+adapter wins until it is loaded that much more than one without.
 
 Costs within ``tie_epsilon`` of the best are ties, and one of them is chosen at random: several
 router replicas with the same view (and no knowledge of each other's pending work) then spread
@@ -44,15 +51,22 @@ class Placement:
     prefill_cost: float
     load_cost: float
     region_cost: float = 0.0
+    adapter_cost: float = 0.0  # router.adapter_miss_cost when its adapter is not loaded here
 
 
 def worker_cost(
-    view: WorkerView, prompt_tokens: int, overlap_blocks: int, w: CostWeights, extra: float = 0.0
+    view: WorkerView,
+    prompt_tokens: int,
+    overlap_blocks: int,
+    w: CostWeights,
+    extra: float = 0.0,
+    adapter: float = 0.0,
 ) -> Placement:
     cached = min(overlap_blocks * view.beat.block_size, prompt_tokens)
     prefill = w.overlap_weight * (prompt_tokens - cached) / max(w.prefill_norm_tokens, 1)
     load = w.load_weight * view.load
-    return Placement(view, prefill + load + extra, overlap_blocks, prefill, load, extra)
+    cost = prefill + load + extra + adapter
+    return Placement(view, cost, overlap_blocks, prefill, load, extra, adapter)
 
 
 def rank(
@@ -63,9 +77,11 @@ def rank(
     rng: random.Random,
     top: int = 4,
     extra: dict[str, float] | None = None,
+    adapter: dict[str, float] | None = None,
 ) -> list[Placement]:
     """The ``top`` best workers, best first: a random one of the near-best, then by cost.
-    ``extra``: worker id → cost added to it (the crossing cost of another region's)."""
+    ``extra``: worker id → cost added to it (the crossing cost of another region's);
+    ``adapter``: worker id → the adapter miss cost of a worker without the request's adapter."""
     if not workers:
         return []
     # NOTE: the hot loop of a decision (every live worker of the pool); kept to plain tuples,
@@ -79,6 +95,8 @@ def rank(
         cost = prefill_per_token * (prompt_tokens - cached) + load
         if extra:
             cost += extra.get(b.worker_id, 0.0)
+        if adapter:
+            cost += adapter.get(b.worker_id, 0.0)
         scored.append((cost, i))
     scored.sort()
     best = scored[0][0]
@@ -89,6 +107,7 @@ def rank(
         pick = rng.randrange(n_ties)
         scored[0], scored[pick] = scored[pick], scored[0]
     extra = extra or {}
+    adapter = adapter or {}
     return [
         worker_cost(
             workers[i],
@@ -96,6 +115,7 @@ def rank(
             overlaps.get(workers[i].worker_id, 0),
             weights,
             extra.get(workers[i].worker_id, 0.0),
+            adapter.get(workers[i].worker_id, 0.0),
         )
         for _, i in scored[:top]
     ]

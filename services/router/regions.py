@@ -56,20 +56,24 @@ class Regions:
         weights: CostWeights,
         rng: random.Random,
         top: int,
+        adapter: dict[str, float] | None = None,
     ) -> tuple[list[Placement], str]:
         """The workers to offer the request to, best first, and why it leaves the region
-        ("" while a local worker can take it: NO_LOCAL_WORKER, LOCAL_SATURATED)."""
+        ("" while a local worker can take it: NO_LOCAL_WORKER, LOCAL_SATURATED). ``adapter``:
+        the LoRA adapter miss cost of each worker without the request's adapter."""
         local = [w for w in workers if self.local(w)]
         remote = [w for w in workers if not self.local(w)]
         if not remote:
-            return rank(local, prompt_tokens, overlaps, weights, rng, top), ""
+            return rank(local, prompt_tokens, overlaps, weights, rng, top, None, adapter), ""
         extra = {w.worker_id: self.cost(w.beat.region) for w in remote}
         if local and min(w.load for w in local) < self.saturation_load:
-            first = rank(local, prompt_tokens, overlaps, weights, rng, top)
-            rest = rank(remote, prompt_tokens, overlaps, weights, rng, top - len(first), extra)
+            first = rank(local, prompt_tokens, overlaps, weights, rng, top, None, adapter)
+            rest = rank(
+                remote, prompt_tokens, overlaps, weights, rng, top - len(first), extra, adapter
+            )
             return first + rest, ""
         why = LOCAL_SATURATED if local else NO_LOCAL_WORKER
-        return rank(workers, prompt_tokens, overlaps, weights, rng, top, extra), why
+        return rank(workers, prompt_tokens, overlaps, weights, rng, top, extra, adapter), why
 
     def crossing(self, p: Placement, why: str) -> str:
         """``RouteReason.cross_region`` of a placement: "" for a local worker."""

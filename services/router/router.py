@@ -44,6 +44,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from libs.adapters import AdapterCatalogue
 from libs.log import fields
 from libs.protocol import (
     Finished,
@@ -115,6 +116,7 @@ class Router(Holds, Moves, Replies):
         self.teams = TeamPolicy(settings)
         self.flow = TenantFlow(settings)
         metrics.configure_tenant_labels(settings.flow.max_tenant_labels)
+        self.adapters = AdapterCatalogue(settings)  # LoRA adapter → pool
         self.watch = StreamWatch(
             nc, self.subjects, self.cfg.max_watched, self.cfg.watch_ttl_s, self.stream_ended
         )
@@ -153,7 +155,7 @@ class Router(Holds, Moves, Replies):
         if serving:
             return PoolChoice(serving[0], "explicit_model", allowed=serving)
         if req.model != "auto":
-            return None
+            return self.adapter_choice(req)
         d = self.classifier.classify(req)
         small, large = self.cfg.small_pool, self.cfg.large_pool
         rest = sorted(p for p in models if p not in (small, large))
@@ -165,6 +167,25 @@ class Router(Holds, Moves, Replies):
         first = default if default in models else sorted(models)[0]
         others = [p for p in sorted(models) if p != first]
         return PoolChoice(first, "auto_single_pool", d.score, d.factors, [first, *others])
+
+    def adapter_choice(self, req: GenerateRequest) -> PoolChoice | None:
+        """The pool of the LoRA adapter ``req.model`` names (libs/adapters.py), None when no
+        pool serves it or it is another team's (refused like an unknown model)."""
+        announced = ((v.beat.pool, v.beat.adapters) for v in self.registry.workers.values())
+        pool = self.adapters.all(announced).get(req.model)
+        if pool is None or not self.teams.may_use(req.model, req.team):
+            return None
+        return PoolChoice(pool, "explicit_adapter", allowed=[pool])
+
+    def adapter_misses(
+        self, req: GenerateRequest, code: str, workers: list[WorkerView]
+    ) -> dict[str, float] | None:
+        """``router.adapter_miss_cost`` for each worker whose beats do not list the LoRA
+        adapter ``req`` names as loaded (None: the request names none)."""
+        if code != "explicit_adapter":
+            return None
+        cost = self.cfg.adapter_miss_cost
+        return {w.worker_id: cost for w in workers if req.model not in w.beat.adapters}
 
     # ------------------------------------------------------------ the decision
 
@@ -219,8 +240,9 @@ class Router(Holds, Moves, Replies):
             req, pool, first.model, first.model_id or first.model, first.block_size
         )
         overlaps = self.registry.overlaps(hashes) if hashes else {}
+        misses = self.adapter_misses(req, code, workers)
         ranked, cross = self.regions.rank(
-            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS
+            workers, n_tokens, overlaps, self.weights, self.rng, MAX_OFFERS, misses
         )
         decode_workers: list[str] = []
         if ranked[0].worker.beat.role == "prefill":

@@ -57,6 +57,7 @@ class TeamPolicy:
         self.limits: dict[str, tuple[int | None, int | None]] = {}
         self.terms: dict[str, Team] = {}  # active teams' entries (flow control's terms)
         self.revoked: set[str] = set()
+        self.adapter_owner: dict[str, str] = {}  # LoRA adapter → the one team that may use it
         self._mtime: float | None = None
         self._checked = float("-inf")
 
@@ -81,8 +82,16 @@ class TeamPolicy:
                 return
         self.limits = {t.name: (t.rpm, t.tpm) for t in tf.active()}
         self.terms = {t.name: t for t in tf.active()}
+        self.adapter_owner = {a: t.name for t in tf.teams for a in t.adapters}
         self.revoked = {t.name for t in tf.teams if not t.active}
         log.info("teams loaded", extra=fields(active=len(self.limits), revoked=len(self.revoked)))
+
+    def may_use(self, adapter: str, team: str | None) -> bool:
+        """Whether a request of ``team`` (None: the fleet's own, no team) may use ``adapter``:
+        any adapter no team owns; an owned one only by its team."""
+        self.reload()
+        owner = self.adapter_owner.get(adapter)
+        return owner is None or owner == team
 
     def revoke(self, teams: list[str]) -> None:
         self.reload(force=True)

@@ -199,7 +199,7 @@ class AggregatedWorker(Worker):
         """The request's prompt on a thread (templating, tokenizing, grammar); a handed-off
         request's is the token ids the prefill worker computed."""
         req, h = a.request, start.handoff
-        return await asyncio.to_thread(
+        prompt = await asyncio.to_thread(
             functools.partial(
                 self.backend.prepare,
                 prompt=None if h else req.prompt,
@@ -209,3 +209,5 @@ class AggregatedWorker(Worker):
                 tools=tools,
             )
         )
+        prompt.lora = self.adapter_of(req.model)
+        return prompt

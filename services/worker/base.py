@@ -30,6 +30,8 @@ from libs.backend import Backend, BackendError, GenerationChunk
 from libs.log import fields
 from libs.nats_util import publish_msg
 from libs.protocol import (
+    AdapterCommand,
+    AdapterReply,
     Assignment,
     AssignmentAck,
     CancelRequest,
@@ -56,6 +58,7 @@ from libs.telemetry import extract_context, tracer
 from services.deadletter import dead_letter
 from services.endpoint import Endpoint, dead_letters
 from services.worker import metrics
+from services.worker.adapters import adapter_of
 from services.worker.usage import UsageReporter, usage_event
 
 log = logging.getLogger("strait.worker")
@@ -138,6 +141,10 @@ class Worker:
                 subjects.teams_changed,
                 Endpoint("worker.teams_changed", TeamsChanged, self.on_teams_changed, letters),
             ),
+            (
+                subjects.adapters(self.pool),
+                Endpoint("worker.adapters", AdapterCommand, self.on_adapters, letters),
+            ),
         ]
 
     def refusal(self, a: Assignment) -> str:
@@ -201,6 +208,28 @@ class Worker:
             self.backend.abort(key)
             task.cancel()
             metrics.CANCELLED.inc()
+
+    async def on_adapters(self, cmd: AdapterCommand, msg: Msg) -> AdapterReply:
+        """``strait adapters``: load, unload or list this worker's LoRA adapters (on the
+        engine thread, between steps; an unloaded one's running requests finish first)."""
+        control = getattr(self.backend, "adapters", None)
+        reply = AdapterReply(worker_id=self.worker_id)
+        if control is None:
+            reply.ok, reply.error = False, "this worker's backend serves no LoRA adapters"
+            return reply
+        try:
+            reply.loaded = await control(cmd.action, cmd.name, cmd.path)
+        except KeyError:
+            reply.ok, reply.error = False, f"adapter {cmd.name!r} not found"
+        except Exception as e:  # refused (AdapterError), no slots (BackendError): said back
+            reply.ok, reply.error = False, str(e)
+        if not reply.ok:
+            reply.loaded = await control("list")
+        log.info(
+            "adapters",
+            extra=fields(action=cmd.action, adapter=cmd.name, ok=reply.ok, error=reply.error),
+        )
+        return reply
 
     async def on_teams_changed(self, tc: TeamsChanged, msg: Msg) -> None:
         """``strait teams revoke``: cancel the running requests of revoked teams."""
@@ -355,6 +384,11 @@ class Worker:
 
     # ------------------------------------------------------------ one request
 
+    def adapter_of(self, model: str) -> str:
+        """The LoRA adapter a request for ``model`` runs with here ("": the base model)."""
+        names = (self.backend.model_name, self.backend.model_id)
+        return adapter_of(model, self.pool, names)
+
     def begin(self, span_name: str, a: Assignment, parent: Context) -> trace.Span:
         """A request's start: running and queue-time metrics, and its span (ended by
         :meth:`finish`)."""
@@ -422,6 +456,7 @@ class Worker:
             draining=self.draining,
             step_load=load.step_load,
             region=self.subjects.region,
+            adapters=load.adapters,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:

@@ -123,6 +123,7 @@ class PrefillWorker(Worker):
                     tools=ToolSpec.of(req),
                 )
             )
+            prompt.lora = self.adapter_of(req.model)
             usage.prompt_tokens = len(prompt.token_ids)
             usage.completion_tokens = len(replayed)  # counted once, here or by the decode side
             if mig is not None and mig.finished:

@@ -1,14 +1,17 @@
-"""``/v1/models`` and ``/v1/models/{id}``: every pool by its name and by its model, plus
-``auto``, as OpenAI's model objects (behind an API key unless ``gateway.open_models``)."""
+"""``/v1/models`` and ``/v1/models/{id}``: every pool by its name and by its model, its LoRA
+adapters (with their base as ``parent``), plus ``auto``, as OpenAI's model objects (behind an
+API key unless ``gateway.open_models``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
+from libs.adapters import AdapterCatalogue
 from libs.settings import Settings, model_identity
+from services.gateway.adapters import adapter_cards
 from services.gateway.deps import FleetDep, SettingsDep, models_key
 from services.gateway.errors import ApiError
 from services.gateway.fleet import Fleet
@@ -16,7 +19,17 @@ from services.gateway.fleet import Fleet
 router = APIRouter(dependencies=[Depends(models_key)])
 
 
-def model_cards(settings: Settings, fleet: Fleet) -> list[dict[str, Any]]:
+def catalogue(request: Request, settings: Settings) -> AdapterCatalogue:
+    """The app's catalogue of adapters on disk (made on first use; it caches its listing)."""
+    state = request.app.state
+    if getattr(state, "adapters", None) is None:
+        state.adapters = AdapterCatalogue(settings)
+    return state.adapters  # type: ignore[no-any-return]
+
+
+def model_cards(
+    settings: Settings, fleet: Fleet, adapters: AdapterCatalogue
+) -> list[dict[str, Any]]:
     """Every pool name and pool model, plus ``auto``, as OpenAI's model objects."""
     fleet.registry.expire()
     live = fleet.registry.pools()
@@ -39,6 +52,7 @@ def model_cards(settings: Settings, fleet: Fleet) -> list[dict[str, Any]]:
                     "strait_live": p.name in live,
                 }
             )
+    data += adapter_cards(settings, adapters, fleet.registry, now)
     data.append(
         {"id": "auto", "object": "model", "created": now, "owned_by": "strait", "root": "auto"}
     )
@@ -46,13 +60,16 @@ def model_cards(settings: Settings, fleet: Fleet) -> list[dict[str, Any]]:
 
 
 @router.get("/v1/models")
-async def models(settings: SettingsDep, fleet: FleetDep) -> dict[str, Any]:
-    return {"object": "list", "data": model_cards(settings, fleet)}
+async def models(request: Request, settings: SettingsDep, fleet: FleetDep) -> dict[str, Any]:
+    cards = model_cards(settings, fleet, catalogue(request, settings))
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, settings: SettingsDep, fleet: FleetDep) -> dict[str, Any]:
-    for card in model_cards(settings, fleet):
+async def model(
+    model_id: str, request: Request, settings: SettingsDep, fleet: FleetDep
+) -> dict[str, Any]:
+    for card in model_cards(settings, fleet, catalogue(request, settings)):
         if card["id"] == model_id:
             return card
     raise ApiError(

@@ -1,0 +1,130 @@
+"""LoRA adapters through the fleet on a real nats-server, a real engine worker (tiny model):
+a request names an adapter in ``model`` (HTTP), the router sends it to the pool that serves
+it, an unknown adapter is OpenAI's 404; ``strait adapters`` (``services.adapters.send``) lists,
+loads and unloads at run time, and an unload while a request runs on the adapter loses none of
+its tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bench.support.fleet import InProcessFleet
+from bench.support.tiny_models import save_tiny_model_dir, tiny_model
+from libs.engine.async_engine import AsyncEngineBackend
+from libs.engine.lora import CONFIG_FILE, TARGETS, WEIGHTS_FILE
+from libs.engine.lora.layers import adaptable_linears
+from libs.nats_util import connect
+from libs.protocol import AdapterCommand, Subjects
+from libs.settings import EngineSettings, Settings
+from services.adapters import send
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 48
+REPLY_WAIT_S = 1.0
+
+
+def write_adapter(directory: Path, name: str, seed: int) -> None:
+    """A random rank-4 adapter of the tiny llama on every projection (PEFT's layout)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (d_in, d_out) in adaptable_linears(tiny_model("llama")).items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, d_in, generator=gen)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, 4, generator=gen)
+    (directory / name).mkdir(parents=True)
+    save_file(tensors, directory / name / WEIGHTS_FILE)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(TARGETS)}
+    (directory / name / CONFIG_FILE).write_text(json.dumps(config))
+
+
+async def stream_tokens(client: httpx.AsyncClient, base: str, model: str, started: asyncio.Event):
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello river"}],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage, finish = None, None
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            started.set()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                finish = c.get("finish_reason") or finish
+    return usage, finish
+
+
+async def test_adapters_by_name_and_unloaded_while_serving(settings: Settings, tmp_path: Path):
+    adapters = tmp_path / "adapters"
+    write_adapter(adapters, "alpha", 1)
+    write_adapter(adapters, "beta", 2)
+    settings.gateway.auth_enabled = False
+    settings.pools[0].model = "tiny"
+    settings.pools[0].adapters_dir = str(adapters)
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    engine = EngineSettings(
+        block_size=4,
+        kv_cache_bytes=8 * 2**20,
+        max_model_len=256,
+        num_threads=1,
+        max_loras=2,
+        max_lora_rank=4,
+        lora_dir=str(adapters),
+    )
+    backend = AsyncEngineBackend(engine, str(model_dir), "tiny")
+    subjects = Subjects.of(settings.nats)
+    async with InProcessFleet(settings) as fleet:
+        await fleet.add_worker("w1", backend=backend, model="tiny")
+        base = await fleet.gateway()
+        await fleet.wait_workers(1)
+        nc = await connect(settings.nats, "test-adapters")
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                started = asyncio.Event()
+                running = asyncio.create_task(stream_tokens(client, base, "alpha", started))
+                await asyncio.wait_for(started.wait(), 30)
+                # "alpha" is unloaded while its request streams: the request ends whole.
+                [reply] = await send(
+                    nc,
+                    subjects,
+                    "default",
+                    AdapterCommand(action="unload", name="alpha"),
+                    REPLY_WAIT_S,
+                )
+                assert reply.ok and reply.loaded == [] and reply.worker_id == "w1"
+                usage, finish = await running
+                assert finish == "length" and usage["completion_tokens"] == MAX_TOKENS
+
+                r = await client.post(
+                    f"{base}/v1/chat/completions",
+                    json={"model": "gamma", "messages": [{"role": "user", "content": "hi"}]},
+                )
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+            cmd = AdapterCommand(action="load", name="beta")
+            [reply] = await send(nc, subjects, "default", cmd, REPLY_WAIT_S)
+            assert reply.ok and reply.loaded == ["beta"]
+            cmd = AdapterCommand(action="load", name="nope")
+            [reply] = await send(nc, subjects, "default", cmd, REPLY_WAIT_S)
+            assert not reply.ok and "not found" in reply.error and reply.loaded == ["beta"]
+            [reply] = await send(
+                nc, subjects, "default", AdapterCommand(action="list"), REPLY_WAIT_S
+            )
+            assert reply.ok and reply.loaded == ["beta"]
+        finally:
+            await nc.close()
