@@ -82,7 +82,7 @@ def test_a_quiet_team_is_seated_beside_a_flood(
             nc = await nats.connect(nats_url)
             try:
                 floods = [
-                    asyncio.create_task(ask(nc, f"flood-{i}", "flood", "Tell a story.", 48))
+                    asyncio.create_task(ask(nc, f"flood-{i}", "flood", "Tell a story.", 96))
                     for i in range(2 * SEATS)
                 ]
                 await asyncio.sleep(1.0)  # the flood holds every seat and a queue as long
