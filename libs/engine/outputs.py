@@ -76,6 +76,8 @@ class LoadInfo:
     # at 1 they alone fill it, and every prompt this worker takes runs at the floor of
     # min_prefill_tokens a step. 0: no target, or no fit yet.
     step_load: float = 0.0
+    # What the steps run (ModelRunner.forward_kind): "compiled", "eager", "compiling".
+    forward: str = ""
     # Chain hashes stored/evicted since the last call (drained by the worker into KvEvents).
     stored_hashes: list[int] = field(default_factory=list)
     evicted_hashes: list[int] = field(default_factory=list)

@@ -47,6 +47,7 @@ from libs.protocol import (
     Subjects,
     TeamsChanged,
     WorkerBeat,
+    WorkerStarting,
     encode,
     request_key,
 )
@@ -80,7 +81,9 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     only = [subjects.requests] if s.nats.region else [subjects.requests, subjects.team_requests_all]
     consumer = work_queue_consumer(ROUTER_DURABLE, only, ack_wait)
     await ensure_consumer(js, requests_stream, consumer)
-    registry = WorkerRegistry(s.fleet.worker_ttl_s, s.router.worker_return_wait_s)
+    registry = WorkerRegistry(
+        s.fleet.worker_ttl_s, s.router.worker_return_wait_s, s.router.worker_stall_s
+    )
     router = Router(nc, js, s, registry)
     if on_router is not None:
         on_router(router)
@@ -162,6 +165,9 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
     async def on_beat(beat: WorkerBeat, msg: Msg) -> None:
         registry.on_beat(beat)
 
+    async def on_starting(ann: WorkerStarting, msg: Msg) -> None:
+        registry.on_starting(ann)
+
     async def on_kv(ev: KvEvent, msg: Msg) -> None:
         registry.on_kv_event(ev)
 
@@ -192,6 +198,10 @@ async def serve(ctx: ServiceContext, on_router: Callable[[Router], None] | None 
 
     endpoints: list[tuple[str, Endpoint[Any]]] = [
         (subjects.beats_all, Endpoint("router.beat", WorkerBeat, on_beat, logs(log, "bad beat"))),
+        (
+            subjects.starting_all,
+            Endpoint("router.starting", WorkerStarting, on_starting, logs(log, "bad announcement")),
+        ),
         (
             subjects.stream_owner,
             Endpoint("router.owner", StreamOwner, on_owner, logs(log, "bad stream owner")),

@@ -421,6 +421,7 @@ class Worker:
             draining=self.draining,
             step_load=load.step_load,
             region=self.subjects.region,
+            forward=load.forward,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:
