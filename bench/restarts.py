@@ -122,11 +122,14 @@ async def stream(client: httpx.AsyncClient, base: str, prompt: str) -> Stream:
 
 @dataclass
 class Up:
-    """`strait up` with the FAKE fleet in a directory of its own, on free ports."""
+    """`strait up` with the FAKE fleet (``config``; None: ``STRAIT_CONFIG``'s, with no auth)
+    in a directory of its own (its state dir), on free ports."""
 
     tmp: Path
     proc: subprocess.Popen[bytes] | None = None
     gw_port: int = field(default_factory=free_port)
+    config: str | None = FLEET
+    ready_timeout_s: float = READY_TIMEOUT_S
 
     @property
     def base(self) -> str:
@@ -137,10 +140,13 @@ class Up:
         return self.tmp / "up.log"
 
     def __enter__(self) -> Up:
-        (self.tmp / "strait.toml").write_text(FLEET)
         env = dict(os.environ)
+        if self.config is not None:
+            (self.tmp / "strait.toml").write_text(self.config)
+            env["STRAIT_CONFIG"] = str(self.tmp / "strait.toml")
+        else:
+            env.update(STRAIT_GATEWAY__AUTH_ENABLED="false", STRAIT_ROUTER__METRICS_PORT="0")
         env.update(
-            STRAIT_CONFIG=str(self.tmp / "strait.toml"),
             NATS_URL=f"nats://127.0.0.1:{free_port()}",
             STRAIT_STATE_DIR=str(self.tmp / "state"),
             STRAIT_GATEWAY__PORT=str(self.gw_port),
@@ -156,7 +162,7 @@ class Up:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        self.wait_log("fleet ready")
+        self.wait_log("fleet ready", timeout=self.ready_timeout_s)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -174,9 +180,12 @@ class Up:
                 raise SystemExit(f"no {text!r} in {self.log}:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.05)
 
-    def child(self, command: str) -> psutil.Process:
+    def tree(self) -> list[psutil.Process]:
         assert self.proc is not None
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def child(self, command: str) -> psutil.Process:
+        for p in self.tree():
             if p.cmdline()[-1:] == [command]:
                 return p
         raise SystemExit(f"no {command} process under strait up")

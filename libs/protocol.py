@@ -1021,6 +1021,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "StreamOwner": StreamOwner,
     "DrainRequest": DrainRequest,
     "WorkerBeat": WorkerBeat,
+    "WorkerStarting": WorkerStarting,
     "RouterBeat": RouterBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,
