@@ -130,6 +130,7 @@ class Up:
     gw_port: int = field(default_factory=free_port)
     config: str | None = FLEET
     ready_timeout_s: float = READY_TIMEOUT_S
+    state_dir: Path | None = None  # None: a directory under ``tmp``
 
     @property
     def base(self) -> str:
@@ -148,7 +149,7 @@ class Up:
             env.update(STRAIT_GATEWAY__AUTH_ENABLED="false", STRAIT_ROUTER__METRICS_PORT="0")
         env.update(
             NATS_URL=f"nats://127.0.0.1:{free_port()}",
-            STRAIT_STATE_DIR=str(self.tmp / "state"),
+            STRAIT_STATE_DIR=str(self.state_dir or self.tmp / "state"),
             STRAIT_GATEWAY__PORT=str(self.gw_port),
             STRAIT_SUPERVISOR__WORKER_METRICS_BASE_PORT="0",
             STRAIT_SUPERVISOR__METRICS_PORT="0",
