@@ -127,7 +127,7 @@ def test_saved_graphs_fit_every_first_step_a_restart_meets(tmp_path: Path) -> No
     every step and nothing compiled. The fresh process's cache is 2048 blocks of 1 KiB: a
     2 MiB-multiple mapping the kernel aligns, which put the cache at storage offset 0, where
     the saved graphs' guards (``2 <= offset``) refused it."""
-    model = tiny_model("llama", seed=3)
+    model = tiny_model("llama", seed=aot_restart.SEED)
     _engine(model, tmp_path, "compile")  # compiles and saves both graphs (256 blocks)
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -167,6 +167,10 @@ def test_a_graph_compiles_in_the_background_while_steps_run_eager(tmp_path: Path
     assert runner.forward_kind == "compiling"  # compiled; swapped in by the next step
     before = runner.compiled_steps
     assert _answers(engine, "compiled") == refs
+    # A lone sequence's decode steps: the one-token class, whatever the batch above ran.
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    alone = run_engine(engine, [Submission("alone", PROMPTS[0], greedy)])
+    assert alone[("alone", 0)].token_ids == refs[0]
     assert runner.forward_kind == "compiled"
     assert runner.compiled_steps > before and runner.compiled_shape_classes == {True, False}
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == [
