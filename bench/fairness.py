@@ -54,6 +54,7 @@ Send = Callable[[str, str, int, list[float]], Awaitable[None]]
 @dataclass
 class Tally:
     tokens: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests by error
 
     def seen(self, tenant: str) -> list[float]:
         return self.tokens.setdefault(tenant, [])
@@ -80,6 +81,8 @@ async def http_sender(base: str, weights: dict[str, float]) -> tuple[Send, httpx
         async with client.stream(
             "POST", "/v1/chat/completions", json=body, headers=headers[tenant]
         ) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
                     seen.append(time.monotonic())
@@ -124,7 +127,12 @@ async def flood(
 
     async def one_stream(tenant: str) -> None:
         while time.monotonic() < until:
-            await send(tenant, FLOOD_PROMPT, tokens, tally.seen(tenant))
+            try:
+                await send(tenant, FLOOD_PROMPT, tokens, tally.seen(tenant))
+            except RuntimeError as e:  # a typed refusal (over_share, a timeout): counted
+                key = f"{tenant}: {str(e)[:60]}"
+                tally.errors[key] = tally.errors.get(key, 0) + 1
+                await asyncio.sleep(1.0)
 
     await asyncio.gather(*(one_stream(t) for _ in range(streams) for t in tenants))
 
@@ -146,6 +154,10 @@ def pct(xs: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     weights = {"quiet": 1.0, "flood": 1.0, "a": 1.0, "b": 1.0, "heavy": 3.0, "light": 1.0}
+    async with httpx.AsyncClient(base_url=args.base_url) as c:
+        while (await c.get("/ready")).status_code != 200:  # a worker beats (its graphs ready)
+            print("waiting for the fleet's /ready", flush=True)
+            await asyncio.sleep(5)
     if args.over == "http":
         send, closer = await http_sender(args.base_url, weights)
     else:
@@ -163,6 +175,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         flooding = asyncio.create_task(flood(send, ["flood"], args.streams, args.tokens, end, t))
         await asyncio.sleep(warm + span)
         out["flood_tok_s"] = t.rate("flood", start + warm, start + warm + span)
+        out["flood_errors"] = t.errors
         beside = await quiet(send, end)
         await flooding
         out["beside_ttft_ms"] = {"p50": pct(beside, 0.5) * 1e3, "p99": pct(beside, 0.99) * 1e3}
@@ -174,7 +187,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             end = start + warm + span
             await flood(send, [x, y], args.streams, args.tokens, end, t)
             rx, ry = (t.rate(n, start + warm, end) for n in (x, y))
-            out[name] = {"share": rx / (rx + ry), "total_tok_s": rx + ry}
+            out[name] = {"share": rx / (rx + ry), "total_tok_s": rx + ry, "errors": t.errors}
             out[f"{name}_throughput_ratio"] = (rx + ry) / out["flood_tok_s"]  # type: ignore[operator]
     finally:
         await closer.aclose() if isinstance(closer, httpx.AsyncClient) else await closer.close()

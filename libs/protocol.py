@@ -334,6 +334,34 @@ class WorkerBeat(Struct, kw_only=True):
     # LoRA adapters loaded now (engine.max_loras; docs/engine.md "LoRA adapters"): a request
     # naming one of them in ``model`` runs without loading it first.
     adapters: list[str] = msgspec.field(default_factory=list)
+    # What its engine's steps run: "compiled", "eager", or "compiling" (eager steps while a
+    # graph compiles in the background, engine.compile_background); "": not an engine.
+    forward: str = ""
+
+
+# Stages a starting worker announces (WorkerStarting.stage), in order; "standby": loaded and
+# waiting for the supervisor's activation (planner.warm_standby), not coming to serve by itself.
+StartStage = Literal[
+    "loading_model", "loading_kernels", "loading_graphs", "capturing_graphs", "standby"
+]
+
+
+class WorkerStarting(Struct, kw_only=True):
+    """A worker process that is starting and does not beat yet, every ``worker.beat_interval_s``
+    on ``Subjects.starting(pool, role, id)`` from its NATS connection to its first beat: what it
+    is doing, so a router waits for it while it makes progress (``router.worker_stall_s``;
+    decision 0037), and ``strait up`` activates only standbys that have loaded."""
+
+    v: int = PROTOCOL_VERSION
+    worker_id: str
+    pool: str
+    role: str
+    stage: StartStage
+    # Seconds the worker has been in ``stage`` (a stage that lasts past router.worker_stall_s
+    # is a worker that stopped making progress).
+    stage_s: float = 0.0
+    pid: int = 0  # its process id (a supervisor tells its incarnations apart)
+    ts: float = msgspec.field(default_factory=time.time)
 
 
 class RouterBeat(Struct, kw_only=True):
@@ -829,6 +857,13 @@ class Subjects:
     def beats_all(self) -> str:
         return f"{self.prefix}.workers.>"
 
+    def starting(self, pool: str, role: str, worker_id: str) -> str:
+        return f"{self.prefix}.starting.{pool}.{role}.{worker_id}"
+
+    @property
+    def starting_all(self) -> str:
+        return f"{self.prefix}.starting.>"
+
     def router_beat(self, router_id: str) -> str:
         return f"{self.prefix}.routers.{router_id}"
 
@@ -1030,6 +1065,7 @@ PUBLIC_MESSAGES: dict[str, type[Any]] = {
     "AdapterCommand": AdapterCommand,
     "AdapterReply": AdapterReply,
     "WorkerBeat": WorkerBeat,
+    "WorkerStarting": WorkerStarting,
     "RouterBeat": RouterBeat,
     "KvEvent": KvEvent,
     "UsageEvent": UsageEvent,

@@ -10,7 +10,10 @@ A worker that stops beating without having said it drains (a crash, a kill) is r
 *lost* for ``return_wait_s``: a supervisor, the planner or Kubernetes is bringing it back, so
 ``returning_until`` tells the router how long a request for its pool may wait for a worker
 instead of failing. For one TTL after the registry starts (a restarted router) every pool may
-still have workers it simply has not heard yet.
+still have workers it simply has not heard yet. A worker that is starting announces its stage
+(``WorkerStarting``, ``on_starting``) until it beats: its pool stays awaited while the
+announcements keep coming and its stage has lasted no longer than ``stall_s`` (a worker that
+stopped making progress is given up on; decision 0034).
 
 Blocks are indexed twice: per worker (to forget them when the worker goes) and per hash →
 holders (so the overlap of a prompt with *every* worker is one walk down its block chain).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from libs.protocol import KvEvent, WorkerBeat
+from libs.protocol import KvEvent, WorkerBeat, WorkerStarting
 
 
 @dataclass
@@ -55,10 +58,21 @@ def held_load(b: WorkerBeat, pending: int) -> float:
     return max((b.running + b.waiting + pending) / max(b.capacity, 1), b.step_load)
 
 
+@dataclass
+class StartingView:
+    """A starting worker's last announcement and when it came (time.monotonic())."""
+
+    announced: WorkerStarting
+    seen_at: float
+
+
 class WorkerRegistry:
-    def __init__(self, ttl_s: float, return_wait_s: float = 0.0) -> None:
+    def __init__(self, ttl_s: float, return_wait_s: float = 0.0, stall_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
         self.return_wait_s = return_wait_s
+        self.stall_s = stall_s
+        # worker id → its last WorkerStarting, until it beats (or falls silent for a TTL).
+        self.starting: dict[str, StartingView] = {}
         self.started_at = time.monotonic()
         # worker id → (pool, time.monotonic() it stopped beating) for workers lost without
         # draining, kept ``return_wait_s``.
@@ -72,6 +86,7 @@ class WorkerRegistry:
     def on_beat(self, beat: WorkerBeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.pool_model[beat.pool] = beat.model
+        self.starting.pop(beat.worker_id, None)
         view = self.workers.get(beat.worker_id)
         if view is None:
             self.workers[beat.worker_id] = WorkerView(beat=beat, seen_at=now, joined_at=now)
@@ -82,6 +97,20 @@ class WorkerRegistry:
         prev = view.seen_at
         view.pending_at = [t for t in view.pending_at if t > prev]
         view.beat, view.seen_at = beat, now
+
+    def on_starting(self, ann: WorkerStarting, now: float | None = None) -> None:
+        """A starting worker's announcement. A standby's ("standby") says it will not come by
+        itself: it is forgotten."""
+        now = time.monotonic() if now is None else now
+        if ann.stage == "standby":
+            self.starting.pop(ann.worker_id, None)
+        else:
+            self.starting[ann.worker_id] = StartingView(ann, now)
+
+    def progressing(self, view: StartingView, now: float) -> bool:
+        """Whether a starting worker is still coming: heard within a TTL, and in its stage no
+        longer than ``stall_s`` (0: no announcement counts)."""
+        return now - view.seen_at <= self.ttl_s and view.announced.stage_s <= self.stall_s
 
     def on_kv_event(self, ev: KvEvent) -> None:
         view = self.workers.get(ev.worker_id)
@@ -125,12 +154,17 @@ class WorkerRegistry:
         for w, (_, at) in list(self.lost.items()):
             if now - at > self.return_wait_s:
                 del self.lost[w]
+        for w, v in list(self.starting.items()):
+            if now - v.seen_at > self.ttl_s:
+                del self.starting[w]
         return gone
 
     def returning_until(self, pools: list[str], now: float | None = None) -> float:
         """``time.monotonic()`` until which a worker may still come to one of ``pools`` (0.0:
         none is expected): one TTL after this registry started (no beat heard yet is not no
-        worker), and ``return_wait_s`` after a worker of one of them was lost without draining."""
+        worker), ``return_wait_s`` after a worker of one of them was lost without draining,
+        and one TTL after the last announcement of a worker of one of them that is starting
+        and making progress (``progressing``)."""
         now = time.monotonic() if now is None else now
         until = self.started_at + self.ttl_s
         lost = list(self.lost.values())
@@ -143,6 +177,9 @@ class WorkerRegistry:
         for pool, at in lost:
             if pool in pools:
                 until = max(until, at + self.return_wait_s)
+        for v in self.starting.values():
+            if v.announced.pool in pools and self.progressing(v, now):
+                until = max(until, v.seen_at + self.ttl_s)
         return until if until > now else 0.0
 
     def refresh(self, now: float | None = None) -> None:

@@ -237,6 +237,17 @@ SUBJECTS: dict[str, SubjectDoc] = {
         False,
     ),
     "beats_all": SubjectDoc((), "WorkerBeat", "core NATS", "—", "router, gateway", False),
+    "starting": SubjectDoc(
+        ("<pool>", "<role>", "<worker_id>"),
+        "WorkerStarting",
+        "core NATS, every `worker.beat_interval_s` until the first beat",
+        "a starting worker",
+        "router, `strait up` (`starting_all`)",
+        False,
+    ),
+    "starting_all": SubjectDoc(
+        (), "WorkerStarting", "core NATS", "—", "router, `strait up`'s planner link", False
+    ),
     "router_beat": SubjectDoc(
         ("<router_id>",),
         "RouterBeat",

@@ -12,6 +12,12 @@ features, the source of every module that shapes the graph, and the model's stru
 tree, parameter names, shapes and dtypes). The weights themselves are inputs: a graph built for
 one checkpoint serves another of the same structure. A graph that does not load, or whose
 guards reject the first real inputs, is compiled again and replaces the file; it is never run.
+
+With ``background`` (``engine.compile_background``, a serving worker) a graph that has to be
+compiled is compiled on a thread of its own while :meth:`AotForward.run` answers ``None`` and
+the runner runs those steps eagerly; the next step of its class after the compile swaps it in
+(decision 0037). Without it (``strait up``'s warm-up child, tests) the compile happens before
+``run`` returns.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -105,40 +112,142 @@ class AotForward:
     example of the step's inputs and saved there when not."""
 
     def __init__(
-        self, model: torch.nn.Module, settings: EngineSettings, directory: Path | None = None
+        self,
+        model: torch.nn.Module,
+        settings: EngineSettings,
+        directory: Path | None = None,
+        background: bool = False,
     ) -> None:
         self.model = model
         self.key = graph_key(model, settings)
         self.dir = directory or default_dir()
-        self.graphs: dict[bool, Any] = {}  # one token? -> AOTCompiledFunction
+        self.background = background
+        self.graphs: dict[bool, Any] = {}  # one token? -> AOTCompiledFunction, in use
         self.loaded: set[bool] = set()  # graphs read from disk (not compiled by this process)
+        self._tried: set[bool] = set()  # classes whose file was looked for
+        # Background compiles: classes queued or compiling, graphs compiled and not yet
+        # checked against a step, classes whose compile failed (those steps stay eager).
+        self._lock = threading.Lock()
+        self._queue: list[tuple[bool, dict[str, Any]]] = []
+        self._compiling: set[bool] = set()
+        self._fresh: dict[bool, Any] = {}
+        self.failed: set[bool] = set()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def state(self) -> str:
+        """What the steps run: "compiling" while a graph compiles (its steps run eager),
+        "eager" when a compile failed, else "compiled"."""
+        with self._lock:
+            if self._compiling or self._fresh:
+                return "compiling"
+        return "eager" if self.failed else "compiled"
 
     def path(self, one: bool) -> Path:
         return self.dir / f"{self.key}-{'one' if one else 'many'}.pt"
 
-    def run(self, one: bool, inputs: dict[str, Any], example: Callable[[], dict[str, Any]]) -> Any:
-        """The forward over ``inputs`` through the graph of its shape class. The first call of a
-        class loads its graph, or compiles it from ``example()`` (fresh tensors, their varying
-        sizes marked dynamic) and saves it, and checks every guard against ``inputs``; later
-        calls check none (nothing they test changes after start; the runner picks the class)."""
+    def run(
+        self, one: bool, inputs: dict[str, Any], example: Callable[[], dict[str, Any]]
+    ) -> Any | None:
+        """The forward over ``inputs`` through the graph of its shape class, or ``None`` when
+        that class has no graph yet (``background``: one is compiling; run the step eagerly).
+        The first call of a class loads its graph, or compiles it from ``example()`` (fresh
+        tensors, their varying sizes marked dynamic) and saves it; a graph is checked against
+        every guard once, on the first step it would serve; later calls check none (nothing
+        they test changes after start; the runner picks the class)."""
         fn = self.graphs.get(one)
         if fn is not None:
             return fn(**inputs)
-        fn = self._load(one)
-        if fn is not None and not fn.guard_check(**inputs):
-            log.warning(
-                "engine.compile_aot: %s does not fit this engine; compiling", self.path(one)
-            )
-            fn = None
+        fn = self._candidate(one, inputs)
         if fn is None:
+            if self.background:
+                self._compile_later(one, example)
+                return None
             fn = self._compile(one, example())
             if not fn.guard_check(**inputs):
                 raise RuntimeError("engine.compile_aot: a fresh graph rejects the step it serves")
-        else:
-            self.loaded.add(one)
         fn.disable_guard_check()
         self.graphs[one] = fn
         return fn(**inputs)
+
+    def _candidate(self, one: bool, inputs: dict[str, Any]) -> Any | None:
+        """A graph of class ``one`` that fits ``inputs``: the one on disk (looked for once), or
+        the one a background compile left; ``None`` when there is none."""
+        with self._lock:
+            fn = self._fresh.pop(one, None)
+        if fn is not None:
+            if self._fits(fn, inputs, "a graph compiled here"):
+                return fn
+            self.failed.add(one)  # never compiled again in a loop: this class stays eager
+            return None
+        if one in self._tried:
+            return None
+        self._tried.add(one)
+        fn = self._load(one)
+        if fn is not None and self._fits(fn, inputs, str(self.path(one))):
+            self.loaded.add(one)
+            return fn
+        return None
+
+    @staticmethod
+    def _fits(fn: Any, inputs: dict[str, Any], what: str) -> bool:
+        if fn.guard_check(**inputs):
+            return True
+        reason = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(**inputs))
+        log.warning(
+            "engine.compile_aot: %s does not fit this engine (%s); compiling",
+            what,
+            str(getattr(reason, "verbose_code_parts", reason))[:400],
+        )
+        return False
+
+    def _compile_later(self, one: bool, example: Callable[[], dict[str, Any]]) -> None:
+        """Queue class ``one`` for the background thread (once; never after a failure)."""
+        with self._lock:
+            if one in self._compiling or one in self.failed:
+                return
+            self._compiling.add(one)
+            self._queue.append((one, example()))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._compile_queued, name="strait-compile", daemon=True
+                )
+                self._thread.start()
+        log.warning(
+            "engine.compile_aot: compiling the %s graph in the background; its steps run "
+            "eager until it is ready",
+            "one-token" if one else "several-token",
+        )
+
+    def _compile_queued(self) -> None:
+        """The background thread: compile the queued classes one after another (under
+        inference mode, as the engine's steps run: the graphs' guards check it)."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                one, example = self._queue.pop(0)
+            fn = None
+            try:
+                with torch.inference_mode():
+                    fn = self._compile(one, example)
+            except Exception:
+                log.exception("engine.compile_aot: the background compile failed; running eager")
+            with self._lock:
+                self._compiling.discard(one)
+                if fn is None:
+                    self.failed.add(one)
+                else:
+                    self._fresh[one] = fn
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until no background compile is queued or running (tests, benchmarks); True
+        when none is left."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return self._thread is None or not self._thread.is_alive()
 
     def _load(self, one: bool) -> Any | None:
         path = self.path(one)

@@ -112,6 +112,8 @@ class AsyncEngineBackend:
         self.settings = settings
         self.model_path = model_path
         self.draft_path = draft_path  # speculative method "draft": the draft model's directory
+        # Told each stage of start() (from its loading thread): the worker announces them.
+        self.on_stage: Callable[[str], None] | None = None
         self.model_name = model_name
         self.model_id = model_identity(model_name, settings)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -144,7 +146,12 @@ class AsyncEngineBackend:
         log.info("engine threads: %d", torch.get_num_threads())
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(
-            LLMEngine.from_path, self.model_path, self.settings, self.model_id, self.draft_path
+            LLMEngine.from_path,
+            self.model_path,
+            self.settings,
+            self.model_id,
+            self.draft_path,
+            on_stage=self.on_stage,
         )
         self._engine.tokenizer = self.tokenizer
         self._update_load()
@@ -510,6 +517,7 @@ class AsyncEngineBackend:
             block_size=self.settings.block_size,
             step_load=engine.step_load(),
             adapters=engine.loras.loaded() if engine.loras is not None else [],
+            forward=engine.runner.forward_kind,
         )
 
 

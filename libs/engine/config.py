@@ -155,6 +155,11 @@ class EngineSettings(BaseModel):
     # Where those graphs live; "" is `strait-aot` under inductor's cache directory
     # (TORCHINDUCTOR_CACHE_DIR, which `strait up` points at <state_dir>/inductor).
     compile_dir: str = ""
+    # With `compile_aot`: a graph that has to be compiled while the engine runs (no saved
+    # graph, or one that does not fit) compiles on a thread of its own while its steps run
+    # eager, and is swapped in when ready, so a worker never stops serving for a compile
+    # (decision 0037). false: compile before serving (`strait up`'s warm-up child).
+    compile_background: bool = True
     # One linear for attention's q/k/v and one for the MLP's gate/up in every llama-family
     # layer (libs/engine/fuse.py): three kernel calls a layer fewer, the same answers.
     fuse_projections: bool = True

@@ -22,6 +22,7 @@ UNSHAPING = {
     "kv_cache_memory_fraction",
     "speculative",
     "compile_dir",
+    "compile_background",
     # Scheduling: how many tokens a step carries, not the graphs that run them.
     "itl_target_ms",
     "min_prefill_tokens",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,13 +106,15 @@ class LLMEngine:
         seed: int | None = None,
         draft_model: torch.nn.Module | None = None,
         graph_capture: Capture | None = None,
+        on_stage: Callable[[str], None] | None = None,
     ) -> None:
         """``draft_model``: the proposer's model when ``settings.speculative.method`` is
-        "draft" (see :meth:`from_path`); ``graph_capture``: see :class:`ModelRunner`."""
+        "draft" (see :meth:`from_path`); ``graph_capture``, ``on_stage``: see
+        :class:`ModelRunner`."""
         self.settings = settings
         self.model_id = model_id
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, settings, graph_capture=graph_capture)
+        self.runner = ModelRunner(model, settings, graph_capture=graph_capture, on_stage=on_stage)
         self.pool = BlockPool(
             self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching
         )
@@ -169,8 +172,11 @@ class LLMEngine:
         **kw: Any,
     ) -> LLMEngine:
         """Load the model (and, for speculative method "draft", the draft model at
-        ``draft_path``) from local directories."""
+        ``draft_path``) from local directories; ``on_stage`` in ``kw`` hears each stage."""
         from transformers import AutoTokenizer
+
+        if kw.get("on_stage") is not None:
+            kw["on_stage"]("loading_model")
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
         model = load_model(model_path, settings)

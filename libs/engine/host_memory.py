@@ -35,7 +35,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(advice)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf`
-    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    # NOTE: never at offset 0 of its storage. A compiled graph takes the KV cache's storage
+    # offset as a symbolic size, which dynamo specialises at 0 and 1 (a saved graph's guard
+    # reads `2 <= offset`): the kernel aligns a mapping whose length is a multiple of 2 MiB
+    # (a block count that is a multiple of 128 for SmolLM2), so an offset of 0 would turn up
+    # at some starts and not others, and a saved graph would not fit them. The extra huge
+    # page leaves room for a whole page's offset.
+    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES or HUGE_PAGE_BYTES
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 

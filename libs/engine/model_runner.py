@@ -114,10 +114,14 @@ class ModelRunner:
         settings: EngineSettings,
         *,
         graph_capture: Capture | None = None,
+        on_stage: Callable[[str], None] | None = None,
     ) -> None:
         """``graph_capture``: how decode steps are captured as graphs (default: CUDA graphs on a
         CUDA device with ``engine.cuda_graphs``, none elsewhere; tests pass
-        :func:`~libs.engine.cuda_graphs.eager_capture` to run the bookkeeping on a CPU)."""
+        :func:`~libs.engine.cuda_graphs.eager_capture` to run the bookkeeping on a CPU).
+        ``on_stage``: told each stage of the start ("loading_kernels", "loading_graphs",
+        "capturing_graphs"; the worker announces them, ``WorkerStarting``)."""
+        stage = on_stage or (lambda _stage: None)
         attention.register()
         # NOTE: switches the given model to paged attention (it no longer runs without metadata).
         model.set_attn_implementation(attention.ATTENTION_NAME)  # type: ignore[operator]
@@ -137,6 +141,7 @@ class ModelRunner:
                 + (" (or lower engine.max_loras / max_lora_rank)" if lora_bytes else "")
             )
         # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
+        stage("loading_kernels")
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
         # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
         # attention (the linears and the arg-max still use the kernels).
@@ -194,7 +199,7 @@ class ModelRunner:
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
             if settings.compile_aot:
                 directory = Path(settings.compile_dir) if settings.compile_dir else None
-                self.aot = AotForward(model, settings, directory)
+                self.aot = AotForward(model, settings, directory, settings.compile_background)
             else:
                 # The model's modules never change after start: no guards on them (see
                 # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
@@ -202,11 +207,13 @@ class ModelRunner:
                 self.compiled = torch.compile(
                     own_forward_entry(), options={"cpp_wrapper": True, "guard_filter_fn": guards}
                 )
+            stage("loading_graphs")
             log.info("engine.compile: preparing the forward's graphs (cached on disk after)...")
             t0 = time.perf_counter()
             self.warm_up()
             log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
         if graph_capture is not None:
+            stage("capturing_graphs")
             self.graphs = self._decode_graphs(settings, graph_capture)
         elif settings.compile and self.aot is None and self.compiled is None:
             log.warning(
@@ -376,9 +383,8 @@ class ModelRunner:
             "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device),
             "strait_attn": meta,
         }
-        if self.compiling:
-            out = self._run_compiled(inputs, meta)
-        else:
+        out = self._run_compiled(inputs, meta) if self.compiling else None
+        if out is None:  # eager: engine.compile off, or this class's graph is compiling
             out = self.model(**inputs)
         return out.logits[0, :num_keep].float()  # [S, vocab]
 
@@ -511,8 +517,9 @@ class ModelRunner:
             token_entry=[0, 0, 0, 1],
         )
 
-    def _run_compiled(self, inputs: dict[str, Any], meta: AttentionMetadata) -> Any:
-        """The compiled forward, over two graphs: one token, several.
+    def _run_compiled(self, inputs: dict[str, Any], meta: AttentionMetadata) -> Any | None:
+        """The compiled forward, over two graphs: one token, several; ``None`` while the
+        step's graph compiles in the background (``engine.compile_background``: run eager).
 
         Only the sizes that vary are symbolic (tokens and sampled rows, except in the
         one-token graph, the block-table width, at least two, see :meth:`_forward`, and the
@@ -527,18 +534,21 @@ class ModelRunner:
         assert meta.block_tables is not None and meta.context_lens is not None
         one = meta.block_tables.shape[0] == 1
         first = one not in self.compiled_shape_classes
-        self.compiled_steps += 1
-        self.compiled_shape_classes.add(one)
         if self.aot is not None:
             # A saved graph's guards reject tensors with marked sizes: the sizes are marked on
             # an example (copies of this step's inputs over an alias of the cache), never on
             # the tensors the engine keeps.
-            return self.aot.run(one, inputs, lambda: self._dynamic(one, example_inputs(inputs)))
-        self._dynamic(one, inputs)
-        if first:
-            return self.compiled(self.model, **inputs)
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.compiled(self.model, **inputs)
+            out = self.aot.run(one, inputs, lambda: self._dynamic(one, example_inputs(inputs)))
+            if out is None:
+                return None
+        elif first:
+            out = self.compiled(self.model, **self._dynamic(one, inputs))
+        else:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                out = self.compiled(self.model, **self._dynamic(one, inputs))
+        self.compiled_steps += 1
+        self.compiled_shape_classes.add(one)
+        return out
 
     @staticmethod
     def _dynamic(one: bool, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -562,6 +572,14 @@ class ModelRunner:
     def compiling(self) -> bool:
         """True when steps run a compiled forward (``engine.compile`` took effect)."""
         return self.compiled is not None or self.aot is not None
+
+    @property
+    def forward_kind(self) -> str:
+        """What the steps run, for the worker's beat: "compiled", "eager", or "compiling"
+        (eager steps while a graph compiles in the background). Read from any thread."""
+        if self.aot is not None:
+            return self.aot.state
+        return "compiled" if self.compiled is not None else "eager"
 
     def _linear_layers(self) -> list[tuple[str, int]]:
         """(kind, bytes of weights and scales one forward reads) of every linear layer."""

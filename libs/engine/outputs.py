@@ -81,6 +81,8 @@ class LoadInfo:
     step_load: float = 0.0
     # LoRA adapters loaded now (engine.max_loras), announced in the worker's beats.
     adapters: list[str] = field(default_factory=list)
+    # What the steps run (ModelRunner.forward_kind): "compiled", "eager", "compiling".
+    forward: str = ""
     # Chain hashes stored/evicted since the last call (drained by the worker into KvEvents).
     stored_hashes: list[int] = field(default_factory=list)
     evicted_hashes: list[int] = field(default_factory=list)

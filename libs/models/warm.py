@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = prepare_model(pool.model, settings)
     # Speculation's draft model is never compiled; the target's graphs are the same without it.
     engine = settings.engine_for(pool).model_copy(
-        update={"kv_cache_bytes": WARM_KV_BYTES, "speculative": SpeculativeSettings()}
+        update={
+            "kv_cache_bytes": WARM_KV_BYTES,
+            "speculative": SpeculativeSettings(),
+            "compile_background": False,  # this process is the compile
+        }
     )
     if engine.num_threads:  # the workers' thread count: inductor's kernels depend on it
         import torch

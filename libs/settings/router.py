@@ -90,7 +90,15 @@ class RouterSettings(Section):
     requests stay queued for a worker instead of a 503 no_worker (at most
     max_pool_queue of them), and a stream it was running pauses (Migrated, reason
     waiting_for_worker) and goes on from the first worker that beats in the pool. Past it:
-    no_worker / worker_lost. A warm restart under `strait up` takes ~13 s; 0: never wait."""
+    no_worker / worker_lost. It bounds the time until the restarted worker announces itself
+    (it connects to NATS before it loads); from then on the pool is awaited while the worker
+    makes progress (`worker_stall_s`). 0: never wait."""
+    worker_stall_s: float = Field(default=120.0, ge=0)
+    """A starting worker announces its stage (loading the model, the kernels, the compiled
+    graphs) every beat interval until it beats; its pool's requests wait for it while it
+    announces and has been in its stage no longer than this (a stage held longer is a worker
+    that stopped making progress: no_worker, as for a worker that never came). 0: no
+    announcement makes a pool wait."""
     max_watched: int = 10_000
     """Requests the router watches at once (to move them when their worker is lost)."""
     watch_ttl_s: float = 120.0

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from nats.aio.msg import Msg
 
 from libs.log import fields
-from libs.protocol import PlanDecision, Subjects
+from libs.protocol import PlanDecision, Subjects, WorkerStarting
 from libs.settings import Settings
 
 log = logging.getLogger("strait.planner.actuator")
@@ -51,6 +51,9 @@ class WorkerSet(Protocol):
         self, pool: str, role: str, replicas: int, reason: str, drain_order: Sequence[str] = ()
     ) -> None: ...
 
+    def standby_loaded(self, worker_id: str, pid: int) -> None:
+        """The standby ``worker_id`` (process ``pid``) has loaded and waits to be activated."""
+
 
 class LocalActuator:
     """Applies decisions to ``strait up``'s children. ``apply`` is called on the supervisor's
@@ -60,6 +63,8 @@ class LocalActuator:
         self.settings = settings
         self.fleet = fleet
         self._latest: dict[tuple[str, str], PlanDecision] = {}
+        # Standbys heard saying they have loaded since the last poll: worker id → pid.
+        self._loaded: dict[str, int] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -77,9 +82,13 @@ class LocalActuator:
         )
 
     def poll(self) -> None:
-        """Apply the newest decision received for each pool role since the last poll."""
+        """Pass on the standbys that said they have loaded, then apply the newest decision
+        received for each pool role since the last poll (on the supervisor's thread)."""
         with self._lock:
             batch, self._latest = list(self._latest.values()), {}
+            loaded, self._loaded = self._loaded, {}
+        for worker_id, pid in loaded.items():
+            self.fleet.standby_loaded(worker_id, pid)
         for d in batch:
             self.apply(d)
 
@@ -116,8 +125,17 @@ class LocalActuator:
                 self._latest[(d.pool, d.role)] = d
             self._arrived.set()
 
+        async def on_starting(ann: WorkerStarting, msg: Msg) -> None:
+            if ann.stage == "standby":
+                with self._lock:
+                    self._loaded[ann.worker_id] = ann.pid
+
         plans = Endpoint("supervisor.plan", PlanDecision, on_plan, logs(log, "bad plan"))
         await plans.subscribe(nc, subjects.plans_all)
+        starting = Endpoint(
+            "supervisor.starting", WorkerStarting, on_starting, logs(log, "bad announcement")
+        )
+        await starting.subscribe(nc, subjects.starting_all)
         await nc.flush()
         self.connected.set()
         try:

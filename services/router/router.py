@@ -352,7 +352,8 @@ class Router(Holds, Moves, Replies):
         metrics.WAIT_SECONDS.observe(waited)
         if isinstance(decision, Rejection) and decision.code == "no_worker":
             decision.message += (
-                f" (waited {waited:.1f} s for one to come back; router.worker_return_wait_s)"
+                f" (waited {waited:.1f} s for one to come back; router.worker_return_wait_s,"
+                " router.worker_stall_s)"
             )
         return decision
 

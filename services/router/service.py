@@ -51,6 +51,7 @@ from libs.protocol import (
     Subjects,
     TeamsChanged,
     WorkerBeat,
+    WorkerStarting,
     encode,
     request_key,
 )
@@ -80,7 +81,9 @@ class RouterService:
         self.ack_wait = s.router.assign_timeout_s * 4 + 5
         # A region's router reads its region's stream (placed in its cluster; docs/regions.md).
         self.requests_stream = regional_name(s.nats, s.nats.requests_stream)
-        self.registry = WorkerRegistry(s.fleet.worker_ttl_s, s.router.worker_return_wait_s)
+        self.registry = WorkerRegistry(
+            s.fleet.worker_ttl_s, s.router.worker_return_wait_s, s.router.worker_stall_s
+        )
         self.router = Router(nc, js, s, self.registry)
         self.slots = self.router.slots = asyncio.Semaphore(MAX_CONCURRENT_DECISIONS)
         self.inflight: set[asyncio.Task[None]] = set()
@@ -116,6 +119,15 @@ class RouterService:
             (
                 subjects.beats_all,
                 Endpoint("router.beat", WorkerBeat, self.on_beat, logs(log, "bad beat")),
+            ),
+            (
+                subjects.starting_all,
+                Endpoint(
+                    "router.starting",
+                    WorkerStarting,
+                    self.on_starting,
+                    logs(log, "bad announcement"),
+                ),
             ),
             (
                 subjects.stream_owner,
@@ -249,6 +261,10 @@ class RouterService:
 
     async def on_beat(self, beat: WorkerBeat, msg: Msg) -> None:
         self.registry.on_beat(beat)
+
+    async def on_starting(self, ann: WorkerStarting, msg: Msg) -> None:
+        """A worker announced its loading stage: routers wait for it while it progresses."""
+        self.registry.on_starting(ann)
 
     async def on_kv(self, ev: KvEvent, msg: Msg) -> None:
         self.registry.on_kv_event(ev)

@@ -56,6 +56,9 @@ class Fleet:
     # When the next replacement standby of each (pool, role) may start loading
     # (planner.standby_refill_s after the last activation or refill: one at a time).
     refill_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    # Standbys that said they have loaded (WorkerStarting "standby", through the local
+    # actuator): worker id → the pid that said it. Only those are activated.
+    loaded: dict[str, int] = field(default_factory=dict)
 
     def child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -152,18 +155,30 @@ class Fleet:
             and not c.given_up
         ]
 
+    def standby_loaded(self, worker_id: str, pid: int) -> None:
+        """The standby ``worker_id`` (process ``pid``) has loaded (the local actuator heard it)."""
+        self.loaded[worker_id] = pid
+
     def activate_standby(self, pool: str, role: str) -> Child | None:
-        """Turn one live standby worker of the pool role into a serving one (SIGUSR1) and owe
-        the pool role a new standby (``refill_standby``); None when there is none ready."""
+        """Turn one standby worker of the pool role that has loaded (``standby_loaded``, by
+        this very process) into a serving one (SIGUSR1) and owe the pool role a new standby
+        (``refill_standby``); None when none has loaded: a standby still loading is not
+        counted as serving, and the caller starts a worker instead."""
         ready = [
             c
             for c in self.children
-            if c.pool == pool and c.role == role and c.standby and c.alive() and c.proc
+            if c.pool == pool
+            and c.role == role
+            and c.standby
+            and c.alive()
+            and c.proc is not None
+            and self.loaded.get(c.env.get(WORKER_ID_ENV, "")) == c.proc.pid
         ]
         if not ready:
             return None
         c = ready[0]
         assert c.proc is not None
+        del self.loaded[c.env[WORKER_ID_ENV]]  # a parked one says so again
         c.proc.send_signal(signal.SIGUSR1)
         c.standby = False
         # Restarted after a crash it must serve, not wait again.

@@ -457,6 +457,7 @@ class Worker:
             step_load=load.step_load,
             region=self.subjects.region,
             adapters=load.adapters,
+            forward=load.forward,
         )
         kv = None
         if load.stored_hashes or load.evicted_hashes:

@@ -36,10 +36,11 @@ from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
 from services.endpoint import Endpoint, logs
 from services.worker.aggregated import AggregatedWorker
-from services.worker.base import Worker
+from services.worker.base import Worker, default_worker_id
 from services.worker.decode import DecodeWorker
 from services.worker.handoff import HandoffReceiver
 from services.worker.prefill import PrefillWorker, PrefixCache
+from services.worker.starting import Announcer
 
 log = logging.getLogger("strait.worker")
 
@@ -71,12 +72,32 @@ def cache_client(nc: object, settings: Settings) -> PrefixCache | None:
     return CacheClient(nc, settings)  # type: ignore[arg-type]
 
 
+async def start_announced(nc: NATS, settings: Settings, backend: Backend) -> None:
+    """Start ``backend`` (load the model), announcing each stage meanwhile (``Announcer``;
+    a standby says nothing until it has loaded: it is not coming to serve by itself)."""
+    worker_id = settings.worker.worker_id or default_worker_id(settings.worker.pool)
+    announcer = Announcer(nc, settings, worker_id, settings.worker.role)
+    if isinstance(backend, AsyncEngineBackend):
+        backend.on_stage = announcer.advance
+    stop = asyncio.Event()
+    task = None
+    if not settings.worker.standby:
+        task = asyncio.create_task(announcer.run(stop))
+    try:
+        await backend.start()
+    finally:
+        stop.set()
+        if task is not None:
+            await task
+
+
 async def serve(ctx: ServiceContext) -> None:
     """An aggregated or decode worker (``worker.role``); a prefill worker: :func:`serve_prefill`."""
     settings = ctx.settings
     backend = build_backend(settings)
-    await backend.start()
+    # Connected before loading: the router hears what the worker is doing (Announcer).
     nc = await connect(settings.nats, f"worker-{settings.worker.pool}")
+    await start_announced(nc, settings, backend)
     subs: list[Subscription] = []
     tasks: list[asyncio.Task[None]] = []
     worker: Worker
@@ -102,8 +123,8 @@ async def serve_prefill(ctx: ServiceContext) -> None:
     if pool.backend != "engine":
         raise SystemExit("a prefill worker needs backend = 'engine' (KV handoff)")
     backend = engine_backend(settings, pool)
-    await backend.start()
     nc = await connect(settings.nats, f"prefill-{pool.name}")
+    await start_announced(nc, settings, backend)
     worker = PrefillWorker(nc, settings, backend, cache_client(nc, settings))
     await run_worker(ctx, nc, worker, [], [])
 
@@ -230,11 +251,20 @@ async def standby(ctx: ServiceContext, worker: Worker) -> bool:
     sends SIGUSR1 when the planner wants one more worker; True once activated, False when
     stopped first."""
     log.info("worker on standby", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
-    while not _ACTIVATED.is_set():
-        with contextlib.suppress(TimeoutError):  # the flag is set from a signal handler
-            await asyncio.wait_for(ctx.stopping.wait(), STANDBY_POLL_S)
-        if ctx.stopping.is_set():
-            return False
+    # It says so every beat interval: `strait up` activates only standbys that have loaded.
+    announcer = Announcer(worker.nc, worker.settings, worker.worker_id, worker.role)
+    announcer.advance("standby")
+    stop = asyncio.Event()
+    announcing = asyncio.create_task(announcer.run(stop))
+    try:
+        while not _ACTIVATED.is_set():
+            with contextlib.suppress(TimeoutError):  # the flag is set from a signal handler
+                await asyncio.wait_for(ctx.stopping.wait(), STANDBY_POLL_S)
+            if ctx.stopping.is_set():
+                return False
+    finally:
+        stop.set()
+        await announcing
     log.info("worker activated", extra=fields(worker_id=worker.worker_id, pool=worker.pool))
     return True
 

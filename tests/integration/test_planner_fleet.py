@@ -2,7 +2,12 @@
 test's own) with `planner.enabled` and the local actuator. A load wave past one worker's
 capacity makes the planner publish a scale-up and the supervisor start workers; when the wave
 ends the planner scales down and the supervisor drains the surplus workers while requests are
-still running on them: every request completes with all its tokens."""
+still running on them: every request completes with all its tokens.
+
+Deterministic under load: a wave runs until what it waits for has happened (a second worker
+beats, a worker drains; bounded by ``WAIT_BOUND_S``), not for a fixed time a cold start may
+outlast, and a standby is used only once it has said it has loaded (``WorkerStarting``
+"standby"), as the supervisor does."""
 
 from __future__ import annotations
 
@@ -12,16 +17,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from bench.support.services import free_port, unique_prefix
 from libs.client import StraitClient
-from libs.protocol import PlanDecision, Subjects, WorkerBeat
+from libs.protocol import PlanDecision, Subjects, WorkerBeat, WorkerStarting
 
 pytestmark = pytest.mark.integration
 
@@ -68,20 +74,49 @@ TAIL_RPS, TAIL_S, TAIL_TOKENS = 1.0, 14.0, 80
 
 # Seconds from the scale-up decision to the activated standby's first beat (beats every 0.2 s).
 STANDBY_BEAT_BOUND_S = 1.5
+# The longest a wave goes on for what it waits for, or the test waits for a standby to load
+# (a cold FAKE worker beats ~4-6 s after its start on 2 idle cores, far later on a loaded one).
+WAIT_BOUND_S = 90.0
 
 
-async def send_wave(client: StraitClient, rps: float, seconds: float, tokens: int) -> list[int]:
-    """Requests at ``rps`` for ``seconds``, each read to its end; their completion tokens."""
+async def send_wave(
+    client: StraitClient,
+    rps: float,
+    seconds: float,
+    tokens: int,
+    until: Callable[[], bool] = lambda: True,
+) -> list[int]:
+    """Requests at ``rps`` for ``seconds`` and then until ``until()`` (at most
+    ``WAIT_BOUND_S``), each read to its end; their completion tokens."""
 
     async def one(i: int) -> int:
         c = await client.complete(f"wave {i} {rps}", max_tokens=tokens, ignore_eos=True)
         return c.usage.completion_tokens
 
     tasks = []
-    for i in range(int(rps * seconds)):
-        tasks.append(asyncio.create_task(one(i)))
+    start = time.monotonic()
+    while time.monotonic() - start < seconds or (
+        not until() and time.monotonic() - start < WAIT_BOUND_S
+    ):
+        tasks.append(asyncio.create_task(one(len(tasks))))
         await asyncio.sleep(1 / rps)
     return list(await asyncio.gather(*tasks))
+
+
+async def standby_loaded(nc: Any, prefix: str, worker_id: str) -> None:
+    """Wait (at most ``WAIT_BOUND_S``) until ``worker_id`` says it is a loaded standby."""
+    heard = asyncio.Event()
+
+    async def on_starting(msg: Any) -> None:
+        ann = msgspec.json.decode(msg.data, type=WorkerStarting)
+        if ann.worker_id == worker_id and ann.stage == "standby":
+            heard.set()
+
+    sub = await nc.subscribe(Subjects(prefix).starting_all, cb=on_starting)
+    try:
+        await asyncio.wait_for(heard.wait(), WAIT_BOUND_S)
+    finally:
+        await sub.unsubscribe()
 
 
 @contextmanager
@@ -177,19 +212,29 @@ def test_a_scale_down_parks_the_worker_and_the_next_wave_activates_it(
 
 
 async def park_scenario(nats_url: str, prefix: str, log: Path) -> None:
-    async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
-        wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
-        assert wave == [WAVE_TOKENS] * len(wave)
-        # The tail keeps requests running on the activated worker while the planner parks it.
-        tail = await send_wave(client, TAIL_RPS, TAIL_S, TAIL_TOKENS)
-        assert tail == [TAIL_TOKENS] * len(tail)
-        deadline = time.monotonic() + 30
-        while "planner: parking" not in await asyncio.to_thread(log.read_text):
-            assert time.monotonic() < deadline, "no park within 30 s of the tail's end"
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # its drain over: it beats no more
-        again = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
-        assert again == [WAVE_TOKENS] * len(again)
+    import nats
+
+    nc = await nats.connect(nats_url)
+
+    def parked() -> bool:
+        return "planner: parking" in log.read_text()
+
+    try:
+        await standby_loaded(nc, prefix, "default-w1")
+        async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
+            wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+            assert wave == [WAVE_TOKENS] * len(wave)
+            # The tail keeps requests running on the activated worker while the planner parks
+            # it, until it does.
+            tail = await send_wave(client, TAIL_RPS, TAIL_S, TAIL_TOKENS, until=parked)
+            assert tail == [TAIL_TOKENS] * len(tail)
+            assert parked(), "no park within the tail"
+            # Its drain over, it says it is a loaded standby again.
+            await standby_loaded(nc, prefix, "default-w1")
+            again = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+            assert again == [WAVE_TOKENS] * len(again)
+    finally:
+        await nc.drain()
 
 
 async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[str], set[str]]:
@@ -214,11 +259,17 @@ async def scenario(nats_url: str, prefix: str) -> tuple[list[PlanDecision], set[
     await nc.subscribe(subjects.beats_all, cb=on_beat)
     try:
         async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
-            wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
+            # The wave lasts until a started worker beats (a cold start under load may take
+            # longer than the wave's 8 s).
+            wave = await send_wave(
+                client, WAVE_RPS, WAVE_S, WAVE_TOKENS, until=lambda: len(workers) >= 2
+            )
             assert wave == [WAVE_TOKENS] * len(wave)  # every request of the wave, whole
             assert len(workers) >= 2, plans[-3:]
             # The tail keeps requests running on every worker while the planner drains.
-            tail = await send_wave(client, TAIL_RPS, TAIL_S, TAIL_TOKENS)
+            tail = await send_wave(
+                client, TAIL_RPS, TAIL_S, TAIL_TOKENS, until=lambda: bool(draining)
+            )
             assert tail == [TAIL_TOKENS] * len(tail)  # nothing dropped by the drains
     finally:
         await nc.drain()
@@ -246,6 +297,7 @@ async def standby_scenario(nats_url: str, prefix: str) -> tuple[dict[str, float]
     await nc.subscribe(subjects.plans_all, cb=on_plan)
     await nc.subscribe(subjects.beats_all, cb=on_beat)
     try:
+        await standby_loaded(nc, prefix, "default-w1")  # loaded before the wave, as meant
         async with StraitClient(nats_url, prefix=prefix, report_usage=False) as client:
             wave = await send_wave(client, WAVE_RPS, WAVE_S, WAVE_TOKENS)
             assert wave == [WAVE_TOKENS] * len(wave)

@@ -47,6 +47,8 @@ def engine_settings(
         prefill_chunk_tokens=8,
         max_num_seqs=8,
         max_model_len=512,
+        # A compile happens before the engine serves (a test asserts on compiled steps).
+        compile_background=False,
     )
     defaults.update(kw)
     return EngineSettings(**defaults)

@@ -4,8 +4,11 @@ not fit is compiled again, never run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from libs.engine import aot
 from libs.engine.engine import LLMEngine
 from libs.protocol import SamplingParams
 from libs.settings import SpeculativeSettings
+from tests.unit.engine import aot_restart
 from tests.unit.engine.helpers import Submission, engine_settings, reference_greedy, run_engine
 
 pytestmark = pytest.mark.unit
@@ -114,3 +118,62 @@ def test_graphs_unused_for_two_weeks_are_pruned_and_loaded_ones_kept(tmp_path: P
     os.utime(used)  # what a load does
     assert aot.prune(tmp_path) == [old]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["used-one.json", "used-one.pt"]
+
+
+def test_saved_graphs_fit_every_first_step_a_restart_meets(tmp_path: Path) -> None:
+    """Graphs saved by one process serve, in a fresh process, every first step a restarted
+    worker can meet (one held request, several at once, a migrated stream's long context, a
+    prompt chunk beside decode rows, the speculative verify step) with every guard checked at
+    every step and nothing compiled. The fresh process's cache is 2048 blocks of 1 KiB: a
+    2 MiB-multiple mapping the kernel aligns, which put the cache at storage offset 0, where
+    the saved graphs' guards (``2 <= offset``) refused it."""
+    model = tiny_model("llama", seed=aot_restart.SEED)
+    _engine(model, tmp_path, "compile")  # compiles and saves both graphs (256 blocks)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit.engine.aot_restart", str(tmp_path), "2048"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out.pop("graphs compiled") == 0, out
+    assert set(out) == set(aot_restart.SCENARIOS)
+    for name, r in out.items():
+        assert r["loaded"] == [False, True], (name, r)
+        assert r["compiled_steps"] == r["forwards"], (name, r)  # no step ran eager
+        assert r["exact"], (name, r)
+    assert out["the speculative verify step"]["proposed"] > 0
+
+
+def test_a_graph_compiles_in_the_background_while_steps_run_eager(tmp_path: Path) -> None:
+    """With ``engine.compile_background`` an engine with no saved graph serves at once: its
+    steps run eager (the beat says "compiling") while the graphs compile on a thread, and
+    the steps after the compile run them; answers never change."""
+    model = tiny_model("llama", seed=4)
+    refs = [reference_greedy(model, p, MAX_NEW) for p in PROMPTS]
+    settings = engine_settings(
+        model, cpu_kernels="on", compile=True, compile_dir=str(tmp_path), compile_background=True
+    )
+    engine = LLMEngine(model, None, settings, "bg")
+    runner = engine.runner
+    assert runner.forward_kind == "compiling" and runner.compiled_steps == 0
+    assert _answers(engine, "eager") == refs
+    assert _aot(engine).wait(timeout_s=600)
+    assert runner.forward_kind == "compiling"  # compiled; swapped in by the next step
+    before = runner.compiled_steps
+    assert _answers(engine, "compiled") == refs
+    # A lone sequence's decode steps: the one-token class, whatever the batch above ran.
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    alone = run_engine(engine, [Submission("alone", PROMPTS[0], greedy)])
+    assert alone[("alone", 0)].token_ids == refs[0]
+    assert runner.forward_kind == "compiled"
+    assert runner.compiled_steps > before and runner.compiled_shape_classes == {True, False}
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [
+        f"{_aot(engine).key}-many.pt",
+        f"{_aot(engine).key}-one.pt",
+    ]

@@ -165,6 +165,7 @@ async def test_compiled_decode_serves_from_the_engine_thread(tmp_path: Path) -> 
             num_threads=1,
             cpu_kernels="on",
             compile=compile_,
+            compile_background=False,  # compiled while loading, as strait up's warm-up does
         )
         b = AsyncEngineBackend(settings, str(path), "tiny")
         await b.start()

@@ -56,3 +56,15 @@ def test_the_cpu_kv_cache_lives_on_huge_pages() -> None:
     assert cache.data.shape == (2, 2, 2, 64, 16, 64)
     assert cache.data.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0
     assert torch.count_nonzero(cache.data) == 0
+
+
+@linux
+@pytest.mark.parametrize("blocks", [64, 65])
+def test_the_kv_cache_never_starts_at_offset_0_or_1_of_its_storage(blocks: int) -> None:
+    """A compiled graph's guards read ``2 <= storage_offset`` of the cache (dynamo specialises
+    0 and 1). 64 blocks of 32 KiB are 2 MiB: the kernel aligns such a mapping, which put the
+    cache at offset 0 at some starts of a worker and made its saved graphs not fit."""
+    for _ in range(4):
+        cache = KvCache(2, blocks, 16, 2, 64, torch.float32, torch.device("cpu"))
+        assert cache.data.storage_offset() >= 2
+        assert cache.data.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.protocol import KvEvent
+from libs.protocol import KvEvent, WorkerStarting
 from libs.registry import WorkerRegistry
 from tests.unit.router.helpers import beat, hold
 
@@ -89,3 +89,46 @@ def test_a_worker_is_expected_while_unheard_since_start_or_lost_without_draining
     assert r.returning_until(["default"], now=t + 40.0 + 29.0) > 0
     assert r.returning_until(["default"], now=t + 40.0 + 31.0) == 0.0
     assert r.expire(now=t + 40.0 + 31.0) == [] and r.lost == {}
+
+
+def starting(
+    stage: str, stage_s: float, worker: str = "a", pool: str = "default"
+) -> WorkerStarting:
+    return WorkerStarting(
+        worker_id=worker, pool=pool, role="aggregated", stage=stage, stage_s=stage_s
+    )  # type: ignore[arg-type]
+
+
+def test_a_starting_worker_is_waited_for_while_it_makes_progress() -> None:
+    """A restarted worker that announces its stages keeps its pool awaited past
+    ``return_wait_s`` as long as its announcements come and no stage lasts past ``stall_s``;
+    one that stalls, or falls silent for a TTL, is given up on; its first beat ends the wait."""
+    r = WorkerRegistry(ttl_s=1.0, return_wait_s=30.0, stall_s=120.0)
+    t = r.started_at + 10.0
+    r.on_beat(beat("a"), now=t)
+    r.expire(now=t + 1.2)  # lost at t + 1.2: awaited until t + 31.2
+    for i, stage in enumerate(["loading_model"] * 40 + ["loading_kernels"] * 40):
+        now = t + 5.0 + i
+        r.on_starting(starting(stage, stage_s=float(i % 40)), now=now)
+        r.expire(now=now)
+        # The lost window (30 s), and past it one TTL after each announcement.
+        assert r.returning_until(["default"], now=now) == pytest.approx(max(t + 31.2, now + 1))
+    assert r.returning_until(["other"], now=t + 84.0) == 0.0
+    now = t + 85.0  # still loading_kernels, held for 121 s: it stopped making progress
+    r.on_starting(starting("loading_kernels", stage_s=121.0), now=now)
+    assert r.returning_until(["default"], now=now) == 0.0
+    r.on_starting(starting("loading_graphs", stage_s=0.2), now=now + 0.5)  # it moved on
+    assert r.returning_until(["default"], now=now + 0.5) == now + 1.5
+    assert r.returning_until(["default"], now=now + 1.6) == 0.0  # silent for a TTL
+    r.expire(now=now + 1.6)
+    assert r.starting == {}
+    r.on_starting(starting("loading_graphs", stage_s=1.0), now=now + 2.0)
+    r.on_beat(beat("a"), now=now + 2.5)  # serving: nothing left to wait for
+    assert r.starting == {} and len(r.live("default", now=now + 2.5)) == 1
+
+
+def test_a_standby_loading_or_loaded_is_not_a_worker_coming() -> None:
+    r = WorkerRegistry(ttl_s=1.0, return_wait_s=30.0, stall_s=120.0)
+    now = r.started_at + 10.0
+    r.on_starting(starting("standby", stage_s=3.0), now=now)
+    assert r.starting == {} and r.returning_until(["default"], now=now) == 0.0
