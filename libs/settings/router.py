@@ -120,8 +120,10 @@ class RouterSettings(Section):
     placed on the first worker with room, a worker that starts meanwhile included (the
     planner's scale-out takes the queue over instead of finding it stuck in the old workers).
     Held requests count in max_pool_queue (decision 0026)."""
-    hold_max_s: float = Field(default=30.0, ge=0)
-    """Longest hold; then the request is placed on the best worker's queue. 0: never hold."""
+    hold_max_s: float = Field(default=300.0, ge=0)
+    """Longest hold; then the request is placed on the best worker's queue. 0: never hold. Above
+    `flow.queue_timeout_s`, so that a held request ends by its deadline: a request placed at
+    this bound skips the fair order (docs/flow-control.md)."""
     beat_interval_s: float = Field(default=0.5, gt=0)
     """Seconds between the router's beats (RouterBeat: its held requests, for the planner)."""
     metrics_port: int = 9101
