@@ -72,6 +72,22 @@ EAGER = {"STRAIT_ENGINE__COMPILE": "false"}
 
 RUNS = [
     Run(
+        "fair_preempt_sim",
+        "",
+        (r"^fair_preempt=false newcomers= 8: steps to a seat", r"^fair_preempt=true "),
+    ),
+    # Minutes against a running fleet (flow control's phases).
+    Run(
+        "fairness",
+        "--base-url {gateway} --streams 2 --phase-s 1 --warmup-s 0.5 --tokens 4",
+        (r"two floods, weighted",),
+        heavy=True,
+    ),
+    # Ten kill -9 rounds of the real fleet's worker.
+    Run("restart", "--rounds 1", (r"served again within 30 s in",), real_model=True, heavy=True),
+    # The real model with four LoRA adapters against the base.
+    Run("lora_mix", "", (), real_model=True, heavy=True),
+    Run(
         "router",
         "--workers 4 --requests 30 --docs 2 --doc-words 40",
         (r"fake word tokenizer +n=30 +p50=",),
