@@ -67,37 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                 "--role", choices=WORKER_ROLES, default=None, help="instead of worker.role"
             )
 
-    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
-        dest="action", required=True
-    )
-    kc = keys.add_parser("create", help="create a key and print it once")
-    kc.add_argument("name")
-    _limit_arguments(kc, "gateway")
-    kc.add_argument("--team", default=None, help="the team (strait teams) the key bills as")
-    keys.add_parser("list", help="list keys (never their secrets)")
-    kr = keys.add_parser("revoke", help="revoke a key by id")
-    kr.add_argument("key_id")
-
-    teams = sub.add_parser(
-        "teams", help="teams on NATS: accounts, credentials, limits (docs/security.md)"
-    ).add_subparsers(dest="action", required=True)
-    ta = teams.add_parser("add", help="add a team: writes its nkey seed and the server config")
-    ta.add_argument("name")
-    _limit_arguments(ta, "teams")
-    teams.add_parser("list", help="list teams (never their seeds)")
-    tc = teams.add_parser(
-        "config",
-        help="print the nats-server config for the teams file (to load into servers that "
-        "`strait up --secure` did not start: stage new teams first, docs/security.md)",
-    )
-    tc.add_argument(
-        "--staged", nargs="*", default=[], metavar="NAME", help="these teams' accounts, no user"
-    )
-    tr = teams.add_parser(
-        "revoke", help="revoke a team: its connections close and its requests are cancelled"
-    )
-    tr.add_argument("name")
-
+    _account_parsers(sub)
     models = sub.add_parser("models", help="prepare local models").add_subparsers(
         dest="action", required=True
     )
@@ -135,6 +105,40 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schemas", help="write JSON schemas of the wire protocol")
     sc.add_argument("--out", default="docs/schemas")
     return p
+
+
+def _account_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``strait keys`` and ``strait teams``: who may send, with what limits and terms."""
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
+        dest="action", required=True
+    )
+    kc = keys.add_parser("create", help="create a key and print it once")
+    kc.add_argument("name")
+    _limit_arguments(kc, "gateway")
+    kc.add_argument("--team", default=None, help="the team (strait teams) the key bills as")
+    keys.add_parser("list", help="list keys (never their secrets)")
+    kr = keys.add_parser("revoke", help="revoke a key by id")
+    kr.add_argument("key_id")
+
+    teams = sub.add_parser(
+        "teams", help="teams on NATS: accounts, credentials, limits (docs/security.md)"
+    ).add_subparsers(dest="action", required=True)
+    ta = teams.add_parser("add", help="add a team: writes its nkey seed and the server config")
+    ta.add_argument("name")
+    _limit_arguments(ta, "teams")
+    teams.add_parser("list", help="list teams (never their seeds)")
+    tc = teams.add_parser(
+        "config",
+        help="print the nats-server config for the teams file (to load into servers that "
+        "`strait up --secure` did not start: stage new teams first, docs/security.md)",
+    )
+    tc.add_argument(
+        "--staged", nargs="*", default=[], metavar="NAME", help="these teams' accounts, no user"
+    )
+    tr = teams.add_parser(
+        "revoke", help="revoke a team: its connections close and its requests are cancelled"
+    )
+    tr.add_argument("name")
 
 
 def _limit_arguments(p: argparse.ArgumentParser, section: str) -> None:

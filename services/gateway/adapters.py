@@ -1,12 +1,12 @@
 """LoRA adapters as OpenAI model objects for ``/v1/models`` and ``/v1/models/{id}``: each
-adapter a pool serves (libs/adapters.py) with its pool's base model as ``parent``, as vLLM
+adapter a pool serves (libs/models/adapters.py) with its pool's base model as ``parent``, as vLLM
 lists its LoRA modules. A name nobody serves stays OpenAI's 404 ``model_not_found``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from libs.adapters import AdapterCatalogue
+from libs.models.adapters import AdapterCatalogue
 from libs.registry import WorkerRegistry
 from libs.settings import Settings
 

@@ -44,8 +44,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from libs.adapters import AdapterCatalogue
 from libs.log import fields
+from libs.models.adapters import AdapterCatalogue
 from libs.protocol import (
     Finished,
     GenerateRequest,
@@ -169,7 +169,7 @@ class Router(Holds, Moves, Replies):
         return PoolChoice(first, "auto_single_pool", d.score, d.factors, [first, *others])
 
     def adapter_choice(self, req: GenerateRequest) -> PoolChoice | None:
-        """The pool of the LoRA adapter ``req.model`` names (libs/adapters.py), None when no
+        """The pool of the LoRA adapter ``req.model`` names (libs/models/adapters.py), None when no
         pool serves it or it is another team's (refused like an unknown model)."""
         announced = ((v.beat.pool, v.beat.adapters) for v in self.registry.workers.values())
         pool = self.adapters.all(announced).get(req.model)

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from libs.adapters import AdapterCatalogue
+from libs.models.adapters import AdapterCatalogue
 from libs.settings import Settings, model_identity
 from services.gateway.adapters import adapter_cards
 from services.gateway.deps import FleetDep, SettingsDep, models_key

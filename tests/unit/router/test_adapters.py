@@ -1,4 +1,4 @@
-"""LoRA adapters by name (libs/adapters.py): a request's ``model`` naming an adapter goes to
+"""LoRA adapters by name (libs/models/adapters.py): a request's ``model`` naming an adapter goes to
 the pool that serves it (from the pool's ``adapters_dir`` or its workers' beats); an unknown
 adapter, or another team's, is refused as an unknown model; ``/v1/models`` lists adapters
 with their base as ``parent``; the worker runs the adapter only for an adapter's name."""
@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from libs.adapters import ADAPTER_CONFIG
+from libs.models.adapters import ADAPTER_CONFIG
 from libs.protocol import GenerateRequest
 from libs.security.teams import Team, TeamsFile
 from libs.settings import PoolSettings, Settings
