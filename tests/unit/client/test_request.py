@@ -63,7 +63,7 @@ def test_every_error_code_has_a_class() -> None:
         assert type(err) is cls and err.code == code and isinstance(err, StraitError)
     assert issubclass(Timeout, TimeoutError)
     assert {c for c, k in ERROR_CLASSES.items() if issubclass(k, Retryable)} == {
-        "no_capacity", "no_worker", "rate_limited", "worker_lost",
+        "no_capacity", "no_worker", "rate_limited", "worker_lost", "over_share",
     }  # fmt: skip
 
 

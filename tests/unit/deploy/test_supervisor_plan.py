@@ -20,7 +20,15 @@ import pytest
 from libs.settings import Settings
 from services.cli import _parser
 from services.supervisor.children import Child
-from services.supervisor.fleet import Fleet
+from services.supervisor.fleet import WORKER_ID_ENV, Fleet
+
+
+def standbys_loaded(fleet: Fleet) -> None:
+    """Every standby says it has loaded (WorkerStarting "standby", heard by the actuator)."""
+    for c in fleet.children:
+        if c.standby and c.proc is not None:
+            fleet.standby_loaded(c.env[WORKER_ID_ENV], c.proc.pid)
+
 
 pytestmark = pytest.mark.unit
 
@@ -177,6 +185,7 @@ def test_activated_standbys_are_replaced_one_at_a_time_after_the_refill_delay(
     with started_fleet(workers=1, warm_standby=3) as (fleet, _popen, clock):
         standbys = [c for c in fleet.children if c.standby]
         assert len(standbys) == 3
+        standbys_loaded(fleet)
         clock.return_value = 100.0
         fleet.scale("p", "aggregated", 4, "scale_up")
         assert not any(c.standby for c in fleet.children)  # all three serve now
@@ -200,6 +209,7 @@ def test_scale_down_parks_workers_while_the_role_is_short_of_standbys(tmp_path: 
     with started_fleet(workers=4, warm_standby=2) as (fleet, popen, _clock):
         standbys = [c for c in fleet.children if c.standby]
         assert len(standbys) == 2
+        standbys_loaded(fleet)
         # Two standbys activated: four then six serve; the role owes two standbys.
         fleet.scale("p", "aggregated", 6, "scale_up")
         assert len(fleet.workers("p", "aggregated")) == 6 and fleet.standbys("p", "aggregated") == 0
@@ -217,6 +227,7 @@ def test_scale_down_parks_workers_while_the_role_is_short_of_standbys(tmp_path: 
         fleet.refill_standby(100.0)
         assert popen.call_count == started
         popen.return_value.send_signal.reset_mock()
+        standbys_loaded(fleet)  # the parked ones say so again
         fleet.scale("p", "aggregated", 5, "scale_up")
         sent = [c.args[0] for c in popen.return_value.send_signal.call_args_list]
         assert sent == [signal.SIGUSR1, signal.SIGUSR1] and popen.call_count == started
