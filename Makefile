@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.strait-installed
+# Strait's CPU kernels build under the state dir (Settings.kernels_cache_dir), as `strait up`'s
+# processes and the tests look for them: a second checkout never rebuilds this one's.
+TORCH_EXTENSIONS_DIR ?= $(abspath $(or $(STRAIT_STATE_DIR),.strait))/torch_extensions
+export TORCH_EXTENSIONS_DIR
 
 .DEFAULT_GOAL := help
 

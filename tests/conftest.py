@@ -13,6 +13,10 @@ from bench.support.services import Unavailable, isolated_settings, nats_server
 from libs.settings import Settings
 from tests.support.services import missing
 
+# Strait's CPU kernels build where `make kernels` and `strait up` build them (the state dir's
+# torch_extensions, Settings.kernels_cache_dir), not in torch's directory shared by checkouts.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Settings().kernels_cache_dir))
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:

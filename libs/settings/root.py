@@ -132,6 +132,14 @@ class Settings(BaseSettings):
         return Path(self.state_dir).resolve() / "inductor"
 
     @property
+    def kernels_cache_dir(self) -> Path:
+        """Where torch builds Strait's CPU kernels for ``strait up``'s processes
+        (``TORCH_EXTENSIONS_DIR``; ``make kernels`` builds there ahead): per state dir, so two
+        checkouts on one machine never rebuild each other's build (torch's shared default
+        directory is keyed by name, and a build from other source paths is rebuilt)."""
+        return Path(self.state_dir).resolve() / "torch_extensions"
+
+    @property
     def teams_file(self) -> Path:
         if self.teams.file:
             return Path(self.teams.file)

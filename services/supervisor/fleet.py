@@ -25,6 +25,8 @@ STOP_GRACE_S = 15.0
 # The user's own inductor cache, read before anything imports torch (torch writes its default
 # into the environment); otherwise compiled graphs go under the state dir.
 USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+# The user's own kernel build directory; otherwise Settings.kernels_cache_dir.
+USER_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR")
 
 
 # The variable a worker child reads its worker id from (its beats' ``worker_id``).
@@ -69,6 +71,7 @@ class Fleet:
         env.update(self.secure_env)
         # Compiled graphs (engine.compile) live with the fleet's state, warmed by warm_pools.
         env["TORCHINDUCTOR_CACHE_DIR"] = USER_INDUCTOR_DIR or str(self.settings.compile_cache_dir)
+        env["TORCH_EXTENSIONS_DIR"] = USER_EXTENSIONS_DIR or str(self.settings.kernels_cache_dir)
         env.update(extra)
         return env
 
