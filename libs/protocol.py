@@ -397,8 +397,8 @@ class KvEvent(Struct, kw_only=True):
 
 # ---------------------------------------------------------------- KV handoff (prefill → decode)
 #
-# States of one handoff, driven by the prefill worker (services/worker/prefill.py) and
-# answered by the decode worker (services/worker/handoff.py):
+# States of one handoff, driven by the prefill worker (services/prefill/handoff.py) and
+# answered by the decode worker (services/decode/handoff.py):
 #
 #   offer ──HandoffOffer (request/reply)──► decode: room? ──HandoffReply(accepted=False)──► next
 #     │                                                    (refused: draining / full / too big)

@@ -8,7 +8,7 @@ The default deployment (``worker.role = "aggregated"``, ``strait worker``). Per 
                        again); the stream goes on at ``Migration.next_seq``
 
 ``generate`` is the one loop under both, and under the decode worker's handed-off requests
-(``services.worker.decode``): a :class:`Start` says where a stream starts and what its worker
+(``services.decode.worker``): a :class:`Start` says where a stream starts and what its worker
 already holds. Errors and cancels end the stream through ``Worker.fail``.
 """
 

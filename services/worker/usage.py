@@ -2,7 +2,7 @@
 published to JetStream in the background (``worker.report_usage``; deduplicated by its message
 id, retried ``worker.usage_publish_attempts`` times), never failing the stream it counts; the
 gateway's own event may still carry the request when it is lost. Flushed before the connection
-closes (``services.worker.main``)."""
+closes (``services.worker.process.run_worker``)."""
 
 from __future__ import annotations
 

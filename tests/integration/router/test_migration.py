@@ -275,7 +275,7 @@ async def test_a_draining_worker_finishes_or_hands_over(
     router_settings: Settings, client: Client, max_tokens: int
 ) -> None:
     """SIGTERM's drain: no new work; what finishes within the deadline finishes here, the rest
-    migrates once the beats stop (what ``services.worker.main.run_worker`` does)."""
+    migrates once the beats stop (what ``services.worker.process.run_worker`` does)."""
     router_settings.fake_engine.per_token_s = 0.02
     r = req(f"d{max_tokens}", max_tokens=max_tokens)
     async with InProcessFleet(router_settings) as fleet:
