@@ -30,6 +30,7 @@ from typing import Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
+from opentelemetry import trace
 from opentelemetry.context import Context
 
 from libs.backend import BackendError, PreparedPrompt
@@ -80,17 +81,15 @@ class PrefillWorker(Worker):
 
     async def serve(self, a: Assignment, parent: Context) -> None:
         req = a.request
-        rid, key = req.request_id, req.key
-        # A migrated request: another worker streamed ``replayed``; this stream goes on after.
+        # A migrated request: another worker streamed its output; this stream goes on after.
         mig = a.migration
-        replayed = mig.output_token_ids if mig is not None else []
         out = StreamWriter(
             self.nc,
-            req.reply_subject or self.subjects.stream(rid),
-            rid,
+            req.reply_subject or self.subjects.stream(req.request_id),
+            req.request_id,
             mig.next_seq if mig is not None else 1,
             owner=self.owns_streams,
-            key=key,
+            key=req.key,
         )
         started = time.perf_counter()
         status, error_code = "ok", ""
@@ -98,69 +97,12 @@ class PrefillWorker(Worker):
         decode_worker = ""
         span = self.begin("prefill", a, parent)
         try:
-            if req.want_route and mig is None:
-                await out.send(Routed(seq=out.next_seq(), request_id=rid, route=a.route))
-            prompt = await asyncio.to_thread(
-                functools.partial(
-                    self.backend.prepare,
-                    prompt=req.prompt,
-                    prompt_token_ids=req.prompt_token_ids,
-                    messages=req.messages,
-                    sampling=req.sampling,
-                    tools=ToolSpec.of(req),
-                )
-            )
-            prompt.lora = self.adapter_of(req.model)
-            usage.prompt_tokens = len(prompt.token_ids)
-            usage.completion_tokens = len(replayed)  # counted once, here or by the decode side
-            if mig is not None and mig.finished:
-                # Every delta was streamed; only the stream's end was lost with the worker.
-                await self.send_finished(out, a, usage, None, time.perf_counter() - started)
-                return
-            from_service = await self._fetch_cached(prompt)
-            # n > 1: compute the prompt only; the decode worker samples every choice's first
-            # token from the same logits, as an aggregated worker would.
-            many = req.sampling.n > 1
-            one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
-            res = await self.engine.prefill(
-                key, prompt, one, req.priority, replayed, engine_tenant(req)
-            )
-            chunk = res.chunk
-            prefill_s = time.perf_counter() - started
-            metrics.TTFT.labels(req.priority, metrics.tenant_label(tenant_of(req))).observe(
-                prefill_s
-            )
-            # Local and imported hits (a migration's replayed output is computed like prompt).
-            usage.cached_tokens = min(chunk.num_cached_tokens, usage.prompt_tokens)
-            self.count_prompt(usage.prompt_tokens + len(replayed), chunk.num_cached_tokens)
-            span.set_attributes(
-                {
-                    "strait.prompt_tokens": usage.prompt_tokens,
-                    "strait.cached_tokens": usage.cached_tokens,
-                    "strait.computed_tokens": usage.prompt_tokens - chunk.num_cached_tokens,
-                    "strait.cache_service_tokens": from_service,
-                    "strait.running": self.backend.load().running,
-                }
-            )
-            self._store_later(res)
-            if not many and (
-                chunk.finish_reason == "stop" or req.sampling.max_tokens <= len(replayed) + 1
-            ):
-                usage.completion_tokens += len(chunk.token_ids)
-                await self._finish_here(out, a, res, usage, prefill_s, started)
-                return
-            if not a.decode_workers:
-                raise BackendError(
-                    "no_worker",
-                    "no live decode worker in the pool",
-                    retry_after_s=self.settings.fleet.retry_after_s,
-                )
-            decode_worker = await self.handoff.hand_off(a, out, prompt, res, usage, prefill_s, span)
+            decode_worker = await self._run(a, out, usage, span, started)
         except (Exception, asyncio.CancelledError) as e:
             status, error_code = await self.fail(out, e)
         finally:
             self.finish(
-                key,
+                req.key,
                 span,
                 status,
                 error_code,
@@ -169,6 +111,87 @@ class PrefillWorker(Worker):
                 prompt_tokens=usage.prompt_tokens,
                 cached_tokens=usage.cached_tokens,
             )
+
+    async def _run(
+        self, a: Assignment, out: StreamWriter, usage: Usage, span: trace.Span, started: float
+    ) -> str:
+        """Prompt and first token here, then the handoff: the decode worker that committed
+        ("" when the request ended here)."""
+        req, mig = a.request, a.migration
+        replayed = mig.output_token_ids if mig is not None else []
+        if req.want_route and mig is None:
+            await out.send(Routed(seq=out.next_seq(), request_id=req.request_id, route=a.route))
+        prompt = await self._prepare(a)
+        usage.prompt_tokens = len(prompt.token_ids)
+        usage.completion_tokens = len(replayed)  # counted once, here or by the decode side
+        if mig is not None and mig.finished:
+            # Every delta was streamed; only the stream's end was lost with the worker.
+            await self.send_finished(out, a, usage, None, time.perf_counter() - started)
+            return ""
+        res = await self._prefill(a, prompt, usage, span)
+        prefill_s = time.perf_counter() - started
+        tenant = metrics.tenant_label(tenant_of(req))
+        metrics.TTFT.labels(req.priority, tenant).observe(prefill_s)
+        self._store_later(res)
+        if req.sampling.n == 1 and (
+            res.chunk.finish_reason == "stop" or req.sampling.max_tokens <= len(replayed) + 1
+        ):
+            usage.completion_tokens += len(res.chunk.token_ids)
+            await self._finish_here(out, a, res, usage, prefill_s, started)
+            return ""
+        if not a.decode_workers:
+            raise BackendError(
+                "no_worker",
+                "no live decode worker in the pool",
+                retry_after_s=self.settings.fleet.retry_after_s,
+            )
+        return await self.handoff.hand_off(a, out, prompt, res, usage, prefill_s, span)
+
+    async def _prepare(self, a: Assignment) -> PreparedPrompt:
+        """The request's prompt, on a thread (templating, tokenizing, grammar)."""
+        req = a.request
+        prompt = await asyncio.to_thread(
+            functools.partial(
+                self.backend.prepare,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                messages=req.messages,
+                sampling=req.sampling,
+                tools=ToolSpec.of(req),
+            )
+        )
+        prompt.lora = self.adapter_of(req.model)
+        return prompt
+
+    async def _prefill(
+        self, a: Assignment, prompt: PreparedPrompt, usage: Usage, span: trace.Span
+    ) -> PrefillResult:
+        """The engine's prefill (after the cache service's blocks, when it has some), its
+        prompt counts in ``usage``, the metrics and ``span``."""
+        req, mig = a.request, a.migration
+        replayed = mig.output_token_ids if mig is not None else []
+        from_service = await self._fetch_cached(prompt)
+        # n > 1: compute the prompt only; the decode worker samples every choice's first
+        # token from the same logits, as an aggregated worker would.
+        many = req.sampling.n > 1
+        one = msgspec.structs.replace(req.sampling, n=1) if many else req.sampling
+        res = await self.engine.prefill(
+            req.key, prompt, one, req.priority, replayed, engine_tenant(req)
+        )
+        cached = res.chunk.num_cached_tokens
+        # Local and imported hits (a migration's replayed output is computed like prompt).
+        usage.cached_tokens = min(cached, usage.prompt_tokens)
+        self.count_prompt(usage.prompt_tokens + len(replayed), cached)
+        span.set_attributes(
+            {
+                "strait.prompt_tokens": usage.prompt_tokens,
+                "strait.cached_tokens": usage.cached_tokens,
+                "strait.computed_tokens": usage.prompt_tokens - cached,
+                "strait.cache_service_tokens": from_service,
+                "strait.running": self.backend.load().running,
+            }
+        )
+        return res
 
     # ------------------------------------------------------------ done at the first token
 
