@@ -21,7 +21,7 @@ from libs.engine.outputs import (
     Resume,
 )
 from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
-from libs.tools import ToolSpec
+from libs.engine.tools import ToolSpec
 
 
 class Backend(Protocol):

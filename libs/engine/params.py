@@ -62,7 +62,7 @@ PRIORITY_BANDS: tuple[Priority, ...] = ("interactive", "standard", "batch")  # b
 
 
 class Tenant(msgspec.Struct, frozen=True):
-    """Who a request is served as in the engine's fair share of tokens (libs/flow/fair.py)
+    """Who a request is served as in the engine's fair share of tokens (libs/engine/fair.py)
     and its weight there; the fleet names it (libs/flow/tenant.py)."""
 
     name: str = ""

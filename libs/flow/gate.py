@@ -10,7 +10,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 
-from libs.flow.fair import FairShare
+from libs.engine.fair import FairShare
 
 
 @dataclass(eq=False)

@@ -37,6 +37,7 @@ from libs.backend import BackendError, PreparedPrompt
 from libs.engine.async_engine import AsyncEngineBackend, PrefillResult
 from libs.engine.hashing import chain_hashes
 from libs.engine.kv_transfer import KvBlocks
+from libs.engine.tools import ToolCallCollector, ToolSpec
 from libs.flow.tenant import engine_tenant, tenant_of
 from libs.log import fields
 from libs.protocol import (
@@ -46,7 +47,6 @@ from libs.protocol import (
 )
 from libs.settings import Settings
 from libs.stream_writer import StreamWriter
-from libs.tools import ToolCallCollector, ToolSpec
 from services.prefill.handoff import HandoffSender
 from services.worker import metrics
 from services.worker.base import Worker
