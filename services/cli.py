@@ -312,8 +312,8 @@ def _drain(settings: Settings, worker_id: str, reason: str) -> int:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from libs.nats_util import connect
     from libs.protocol import DrainRequest, Subjects, encode
+    from libs.wire.nats_util import connect
 
     async def run() -> int:
         nc = await connect(settings.nats, "strait-drain")

@@ -21,10 +21,10 @@ import uvicorn
 
 from bench.support.services import free_port, wait_port
 from libs.backend import Backend
-from libs.fake_engine import FakeBackend
-from libs.nats_util import connect, provision
+from libs.backend.fake import FakeBackend
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.nats_util import connect, provision
 from services.decode.worker import DecodeWorker
 from services.gateway.app import create_app
 from services.router.main import serve as router_serve

@@ -28,15 +28,15 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from libs.db import Database
 from libs.db.models import RequestRow
 from libs.log import fields
-from libs.nats_util import (
+from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
+from libs.settings import Settings
+from libs.wire.nats_util import (
     ensure_consumer,
     ensure_stream,
     events_stream_config,
     fleet_regions,
     ledger_stream_config,
 )
-from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
-from libs.settings import Settings
 
 log = logging.getLogger("strait.ledger")
 

@@ -1,4 +1,5 @@
-"""The decode side of a KV handoff (disaggregated pools; protocol in libs/protocol.py).
+"""The decode side of a KV handoff (disaggregated pools; protocol in
+libs/protocol/handoff.py).
 
 Used by a decode worker (``services.decode.worker``; ``services.decode.main`` starts it): it
 subscribes :meth:`on_offer`, :meth:`on_kv`, :meth:`on_commit` and :meth:`on_abort` on this

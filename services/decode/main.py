@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from libs.engine.async_engine import AsyncEngineBackend
-from libs.nats_util import connect
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.nats_util import connect
 from services.decode.handoff import HandoffReceiver
 from services.decode.worker import DecodeWorker
 from services.worker.process import build_backend, run_role, run_worker, start_announced

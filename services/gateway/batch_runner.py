@@ -35,9 +35,14 @@ from pydantic import ValidationError
 from libs.db.batches import ANY_KEY, DONE, BatchStore
 from libs.db.models import BatchRow
 from libs.log import fields
-from libs.nats_util import batch_stream_config, ensure_consumer, ensure_stream, work_queue_consumer
 from libs.protocol import BatchLine, ProtocolError, decode
 from libs.settings import Settings
+from libs.wire.nats_util import (
+    batch_stream_config,
+    ensure_consumer,
+    ensure_stream,
+    work_queue_consumer,
+)
 from services.gateway.auth import KeyInfo
 from services.gateway.batches import publish_lines, unix
 from services.gateway.chunks import Kind

@@ -36,8 +36,8 @@ from libs.protocol import (
     TokenDelta,
     UsageEvent,
 )
-from libs.stream_reader import StreamGap, StreamReader
 from libs.telemetry import tracer
+from libs.wire.stream_reader import StreamGap, StreamReader
 from services.gateway import metrics
 from services.gateway.chunks import (
     Accumulator,

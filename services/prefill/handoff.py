@@ -1,5 +1,5 @@
 """The prefill side of a KV handoff (the decode side: services/decode/handoff.py; the
-protocol in libs/protocol.py).
+protocol in libs/protocol/handoff.py).
 
 A :class:`PrefillWorker` whose request goes on past its first token calls
 :meth:`HandoffSender.hand_off`: the request is offered to the decode workers of
@@ -27,8 +27,6 @@ from libs.backend import BackendError, PreparedPrompt
 from libs.engine.async_engine import PrefillResult
 from libs.engine.kv_transfer import KvBlocks, split, tail
 from libs.engine.kv_transfer import encode as encode_kv
-from libs.kv_cache_client import chunk_limit
-from libs.nats_util import publish_chunks
 from libs.protocol import (
     Assignment,
     HandoffAbort,
@@ -39,8 +37,10 @@ from libs.protocol import (
     Usage,
     encode,
 )
-from libs.stream_writer import StreamWriter
 from libs.telemetry import inject_headers
+from libs.wire.kv_cache_client import chunk_limit
+from libs.wire.nats_util import publish_chunks
+from libs.wire.stream_writer import StreamWriter
 from services.worker import metrics
 from services.worker.base import Worker
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from nats.aio.client import Client as NATS
 
 from libs.models.engine_backend import engine_backend
-from libs.nats_util import connect
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.nats_util import connect
 from services.prefill.worker import PrefillWorker, PrefixCache
 from services.worker.process import run_role, run_worker, start_announced
 
@@ -20,7 +20,7 @@ from services.worker.process import run_role, run_worker, start_announced
 def cache_client(nc: NATS, settings: Settings) -> PrefixCache | None:
     if not settings.cache.enabled:
         return None
-    from libs.kv_cache_client import CacheClient
+    from libs.wire.kv_cache_client import CacheClient
 
     return CacheClient(nc, settings)
 

@@ -46,7 +46,7 @@ from libs.protocol import (
     Usage,
 )
 from libs.settings import Settings
-from libs.stream_writer import StreamWriter
+from libs.wire.stream_writer import StreamWriter
 from services.prefill.handoff import HandoffSender
 from services.worker import metrics
 from services.worker.base import Worker
@@ -56,7 +56,7 @@ log = logging.getLogger("strait.prefill")
 
 class PrefixCache(Protocol):
     """What the prefill worker needs of the prefix-cache service's client
-    (libs/kv_cache_client.CacheClient): both fail soft (None / nothing) — a cache is optional."""
+    (libs/wire/kv_cache_client.CacheClient): both fail soft (None / nothing) — a cache is optional."""
 
     async def fetch(self, model_id: str, block_hashes: list[int]) -> KvBlocks | None: ...
 

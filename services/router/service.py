@@ -35,15 +35,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from libs.log import fields
-from libs.nats_util import (
-    connect,
-    ensure_consumer,
-    ensure_team_streams,
-    provision,
-    regional_name,
-    team_stream_name,
-    work_queue_consumer,
-)
 from libs.protocol import (
     CancelRequest,
     KvEvent,
@@ -57,6 +48,15 @@ from libs.protocol import (
 )
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext
+from libs.wire.nats_util import (
+    connect,
+    ensure_consumer,
+    ensure_team_streams,
+    provision,
+    regional_name,
+    team_stream_name,
+    work_queue_consumer,
+)
 from services.endpoint import Endpoint, ignores, logs
 from services.router import metrics
 from services.router.router import Router

@@ -26,7 +26,7 @@ from libs.backend import GenerationChunk, PreparedPrompt, Resume
 from libs.engine.tools import ToolCallCollector, ToolSpec, constraint_kind
 from libs.flow.tenant import engine_tenant, tenant_of
 from libs.protocol import Assignment, HandoffOffer, Routed, Usage
-from libs.stream_writer import StreamWriter
+from libs.wire.stream_writer import StreamWriter
 from services.worker import metrics
 from services.worker.base import Worker
 from services.worker.coalesce import DeltaHold

@@ -29,7 +29,6 @@ from opentelemetry.context import Context
 
 from libs.backend import Backend, BackendError, GenerationChunk
 from libs.log import fields
-from libs.nats_util import publish_msg
 from libs.protocol import (
     AdapterCommand,
     AdapterReply,
@@ -54,8 +53,9 @@ from libs.protocol import (
     validate_request,
 )
 from libs.settings import Settings
-from libs.stream_writer import StreamTaken, StreamWriter
 from libs.telemetry import extract_context, tracer
+from libs.wire.nats_util import publish_msg
+from libs.wire.stream_writer import StreamTaken, StreamWriter
 from services.deadletter import dead_letter
 from services.endpoint import Endpoint, dead_letters
 from services.worker import metrics

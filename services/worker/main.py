@@ -8,9 +8,9 @@ process ends in ``services/worker/process.py``'s ``run_worker``.
 
 from __future__ import annotations
 
-from libs.nats_util import connect
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.nats_util import connect
 from services.worker.aggregated import AggregatedWorker
 from services.worker.process import build_backend, run_role, run_worker, start_announced
 

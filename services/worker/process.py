@@ -43,7 +43,7 @@ def build_backend(settings: Settings) -> Backend:
     if pool is None:
         raise SystemExit(f"worker.pool {settings.worker.pool!r} is not in settings.pools")
     if pool.backend == "fake":
-        from libs.fake_engine import FakeBackend
+        from libs.backend.fake import FakeBackend
 
         log.warning("using the FAKE backend (load tests only)", extra=fields(pool=pool.name))
         eng = settings.engine

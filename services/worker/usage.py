@@ -12,9 +12,9 @@ import logging
 from nats.aio.client import Client as NATS
 
 from libs.log import fields
-from libs.nats_util import publish_acked
 from libs.protocol import Assignment, Subjects, Usage, UsageEvent, encode, request_key
 from libs.settings import WorkerSettings
+from libs.wire.nats_util import publish_acked
 
 log = logging.getLogger("strait.worker")
 

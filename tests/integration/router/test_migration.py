@@ -10,7 +10,7 @@ import time
 import pytest
 
 from bench.support.fleet import InProcessFleet, WorkerHandle
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import (
     CancelRequest,
     ErrorMessage,
@@ -23,7 +23,7 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import FakeEngineSettings, Settings
-from libs.stream_reader import StreamReader
+from libs.wire.stream_reader import StreamReader
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
 
