@@ -51,9 +51,9 @@ from bench import traces
 from bench.stats import nearest_rank
 from bench.support.up import strait_up
 from libs.client import StraitClient
-from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import FakeEngineSettings, NatsSettings, PlannerSettings, PoolPlanSettings
+from libs.wire.nats_util import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIR = ROOT / "bench" / "traces"

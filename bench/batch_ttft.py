@@ -99,8 +99,8 @@ async def measure(args: argparse.Namespace, tmp: Path, nats_url: str) -> list[di
     """The pairs of runs on an in-process fleet (one event loop with the clients)."""
     from bench.support.fleet import GatewayFleet
     from bench.support.services import isolated_settings
+    from libs.backend.fake import FakeBackend
     from libs.db.keys import ensure_dev_key
-    from libs.fake_engine import FakeBackend
 
     s = isolated_settings(tmp, nats_url)
     s.pools[0].model, s.pools[0].backend = "fake-model", "fake"

@@ -199,7 +199,7 @@ async def transport_mb_s(settings: Settings, total_mb: int) -> float:
     """Raw loopback throughput: chunks of the handoff's size, one publisher, one subscriber."""
     import nats
 
-    from libs.kv_cache_client import chunk_limit
+    from libs.wire.kv_cache_client import chunk_limit
 
     pub, sub_nc = await nats.connect(settings.nats.url), await nats.connect(settings.nats.url)
     size = chunk_limit(pub, settings, settings.handoff.chunk_bytes)

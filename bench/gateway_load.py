@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.gateway_load --streams 500 1000 2000 --gateways 1 2 --duration 20
 
 Starts its own JetStream nats-server (free port), a router, ``--workers`` FAKE-engine workers
-(``libs/fake_engine.py``, ``per_token_s = 0``, ``per_prompt_token_s = 0``: no model, the workers
+(``libs/backend/fake.py``, ``per_token_s = 0``, ``per_prompt_token_s = 0``: no model, the workers
 publish token frames as fast as they can) and G gateways, each a separate OS process
 (``python -m services.cli <role>``, as ``bench/support/procs.ProcessFleet`` runs them). Auth, rate
 limits, the ledger and the response cache are off; every capacity bound is far above the load;

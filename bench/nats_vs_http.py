@@ -25,8 +25,8 @@ import httpx
 from bench.support.fleet import InProcessFleet
 from bench.support.services import nats_server
 from examples import batch_submit
+from libs.backend.fake import FakeBackend
 from libs.client import StraitClient
-from libs.fake_engine import FakeBackend
 from libs.settings import Settings
 
 

@@ -8,7 +8,7 @@ second; then when the planner decided, when the new workers beat, and what was l
     .venv/bin/python -m bench.planner_timeline --wave-rps 12 --max-replicas 4
     .venv/bin/python -m bench.planner_timeline --standby 3     # scale-out from warm standby
 
-The workers run the FAKE engine (libs/fake_engine.py: sleeps, no model): this measures the
+The workers run the FAKE engine (libs/backend/fake.py: sleeps, no model): this measures the
 planner, the supervisor and a worker's start on this machine, not a model's speed. A worker
 runs ``--slots`` requests at once, each ``--tokens`` x ``--per-token-s``.
 """
@@ -26,9 +26,9 @@ import msgspec
 
 from bench.support.up import strait_up
 from libs.client import StraitClient
-from libs.nats_util import connect
 from libs.protocol import PlanDecision, Subjects, WorkerBeat
 from libs.settings import NatsSettings
+from libs.wire.nats_util import connect
 
 START_TIMEOUT_S = 120.0  # for `strait up` to say "fleet ready"
 

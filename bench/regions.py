@@ -4,7 +4,7 @@
         [--streams 4] [--json out.json]
 
 Two NATS clusters, "a" and "b", one server each, joined by a gateway (bench.support.regions);
-in each a router, two FAKE-engine workers (``libs/fake_engine.py``: timed pseudo-words, a load
+in each a router, two FAKE-engine workers (``libs/backend/fake.py``: timed pseudo-words, a load
 test of routing and streaming, never of a model) and a gateway, as separate processes.
 
 1. **local**: ``--requests`` streamed chat completions one at a time, alternating between a's

@@ -75,7 +75,7 @@ def _unruled(structured: dict[str, Any]) -> str:
 
     import llguidance
 
-    from libs.tools import JSON_LAYOUT
+    from libs.engine.tools import JSON_LAYOUT
 
     if "regex" in structured:
         return str(llguidance.grammar_from("regex", structured["regex"]))

@@ -44,7 +44,7 @@ async def send(
 
 def run_cli(settings: Settings, action: str, name: str, pool: str, path: str) -> int:
     """``strait adapters``: prints one line per worker; 1 when none answered or one failed."""
-    from libs.nats_util import connect
+    from libs.wire.nats_util import connect
 
     if action != "list" and not name:
         print(f"strait adapters {action} needs an adapter name", file=sys.stderr)

@@ -287,13 +287,33 @@ def _schemas(out: str) -> int:
     return 0
 
 
+def _worker(settings: Settings, role: str | None) -> int:
+    """``strait worker [--role ROLE]`` (``role`` overrides ``worker.role``): the entry of the
+    role's package; ``strait decode`` is ``strait worker``, ``strait prefill`` is
+    ``strait worker --role prefill``."""
+    if role is not None:
+        settings = settings.model_copy(deep=True)
+        settings.worker.role = role  # type: ignore[assignment]
+    if settings.worker.role == "prefill":
+        from services.prefill.main import main as prefill_main
+
+        return prefill_main(settings)
+    if settings.worker.role == "decode":
+        from services.decode.main import main as decode_main
+
+        return decode_main(settings)
+    from services.worker.main import main as worker_main
+
+    return worker_main(settings)
+
+
 def _drain(settings: Settings, worker_id: str, reason: str) -> int:
     """Publish a DrainRequest to one worker and wait for its acknowledgement."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from libs.nats_util import connect
     from libs.protocol import DrainRequest, Subjects, encode
+    from libs.wire.nats_util import connect
 
     async def run() -> int:
         nc = await connect(settings.nats, "strait-drain")
@@ -328,10 +348,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return router_main(settings)
     if args.cmd in ("worker", "decode", "prefill"):
-        from services.worker.main import main as worker_main
-
         role = "prefill" if args.cmd == "prefill" else getattr(args, "role", None)
-        return worker_main(settings, role)
+        return _worker(settings, role)
     if args.cmd == "batch":
         from services.gateway.batch_main import main as batch_main
 

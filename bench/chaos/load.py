@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.chaos.fleet import MODEL, Fleet, Opts
-from libs.nats_util import server_urls
+from libs.wire.nats_util import server_urls
 
 DISAGG_PROMPTS = [f"Write a haiku about the number {k}." for k in range(6)]
 
@@ -267,7 +267,7 @@ async def reference(prompt: str, seed: int, max_tokens: int) -> str:
     """The text the FAKE engine streams for this prompt and seed (its own code, no sleeps)."""
     key = (prompt, seed, max_tokens)
     if key not in _REFERENCE:
-        from libs.fake_engine import FakeBackend
+        from libs.backend.fake import FakeBackend
         from libs.protocol import ChatMessage, SamplingParams
         from libs.settings import FakeEngineSettings
 

@@ -16,7 +16,7 @@ from typing import Any
 from bench.chaos.fleet import DISAGG_ENGINE, ROUTE_RETRY, Fleet, Opts, Rows
 from bench.chaos.load import Load, fetch_references, reference
 from bench.stats import nearest_rank
-from libs.nats_util import server_urls
+from libs.wire.nats_util import server_urls
 
 STALL_S = 0.5  # a stream silent longer than this after the fault counts as stalled by it
 

@@ -16,7 +16,7 @@ from bench.chaos.fleet import Fleet, Opts, PrivatePostgres
 from bench.chaos.load import Load
 from bench.chaos.measure import Runner, router_consumer, run_scenario, skipped
 from bench.support.nats_servers import NatsCluster
-from libs.nats_util import server_urls
+from libs.wire.nats_util import server_urls
 
 PG_DOWN_S = 30.0  # postgres-outage: seconds the ledger's database stays down
 

@@ -21,16 +21,16 @@ import uvicorn
 
 from bench.support.services import free_port, wait_port
 from libs.backend import Backend
-from libs.fake_engine import FakeBackend
-from libs.nats_util import connect, provision
+from libs.backend.fake import FakeBackend
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.nats_util import connect, provision
+from services.decode.worker import DecodeWorker
 from services.gateway.app import create_app
 from services.router.main import serve as router_serve
 from services.router.router import Router
 from services.worker.aggregated import AggregatedWorker
 from services.worker.base import Worker
-from services.worker.decode import DecodeWorker
 
 
 @dataclass
@@ -108,7 +108,7 @@ class InProcessFleet:
         nc = await connect(s.nats, f"worker-{worker_id}")
         w: Worker
         if role == "prefill":
-            from services.worker.prefill import PrefillWorker
+            from services.prefill.worker import PrefillWorker
 
             w = PrefillWorker(nc, s, backend, cache)  # type: ignore[arg-type]
         elif role == "decode":
@@ -119,7 +119,7 @@ class InProcessFleet:
         stopping = asyncio.Event()
         beats = asyncio.create_task(w.beat_loop(stopping))
         if isinstance(w, DecodeWorker):
-            from services.worker.handoff import HandoffReceiver
+            from services.decode.handoff import HandoffReceiver
 
             receiver = HandoffReceiver(w, backend)  # type: ignore[arg-type]
             subs += await receiver.subscribe()

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from bench.support.services import free_port, nats_binary, wait_port
-from libs.nats_util import server_urls
+from libs.wire.nats_util import server_urls
 
 
 class NatsServer:
@@ -203,8 +203,8 @@ class NatsCluster:
         """Strait's streams with ``replicas`` copies (retried while the peers catch up)."""
         import nats
 
-        from libs.nats_util import provision
         from libs.settings import NatsSettings
+        from libs.wire.nats_util import provision
 
         settings = NatsSettings(url=self.url, stream_replicas=self.replicas)
         nc = await nats.connect(servers=server_urls(self.url), name="chaos-provision")

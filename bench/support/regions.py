@@ -32,8 +32,8 @@ from nats.js.errors import ServiceUnavailableError
 from bench.support.nats_servers import NatsCluster
 from bench.support.procs import ProcessFleet
 from bench.support.services import free_port
-from libs.nats_util import server_urls
 from libs.protocol import RouteDecision
+from libs.wire.nats_util import server_urls
 
 
 class Supercluster:

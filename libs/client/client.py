@@ -53,7 +53,6 @@ from libs.client.respond import (
     request_options,
     response_of,
 )
-from libs.nats_util import DEDUPE_HEADER, auth_options, publish_acked, server_urls
 from libs.protocol import (
     CancelRequest,
     ChatMessage,
@@ -80,8 +79,9 @@ from libs.protocol import (
     encode,
     validate_request,
 )
-from libs.stream_reader import StreamGap, StreamMux, StreamReader
 from libs.telemetry import inject_headers
+from libs.wire.nats_util import DEDUPE_HEADER, auth_options, publish_acked, server_urls
+from libs.wire.stream_reader import StreamGap, StreamMux, StreamReader
 
 log = logging.getLogger("strait.client")
 

@@ -10,7 +10,6 @@ being handled when the process dies is delivered again (dedupe by ``request_id``
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -18,14 +17,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal
 
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import FetchTimeoutError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from libs.client.errors import InvalidRequest, StraitError
-from libs.protocol import ProtocolError, RouteDecision, Subjects, UsageEvent, decode
+from libs.protocol import RouteDecision, Subjects, UsageEvent
+from libs.wire.pull import PullEndpoint
 
 log = logging.getLogger("strait.client")
 
@@ -33,8 +31,8 @@ EVENT_TYPES: dict[str, type[UsageEvent] | type[RouteDecision]] = {
     "usage": UsageEvent,
     "route": RouteDecision,
 }
+# A client polls for events at its own pace (the fleet's loops: libs.wire.pull.FETCH_WAIT_S).
 FETCH_WAIT_S = 1.0
-FETCH_RETRY_S = 0.5  # pause after a fetch JetStream refused (a server restarting)
 # Durable consumers the fleet itself owns: binding to one would take messages from the fleet.
 RESERVED_DURABLES = frozenset({"router", "ledger"})
 
@@ -163,7 +161,9 @@ class Observer:
     async def _events(self) -> AsyncGenerator[UsageEvent | RouteDecision, None]:
         await self.start()
         assert self._psub is not None
-        type_ = EVENT_TYPES[self.kind]
+        pull: PullEndpoint[UsageEvent | RouteDecision] = PullEndpoint(
+            "observer", EVENT_TYPES[self.kind], self._psub, log, bad="ack"
+        )
         last = time.monotonic()
         try:
             while True:
@@ -173,29 +173,14 @@ class Observer:
                     if left <= 0:
                         return
                     wait = max(min(wait, left), 0.05)
-                try:
-                    msgs = await self._psub.fetch(self.batch, timeout=wait)
-                except (TimeoutError, FetchTimeoutError, NatsTimeout):
-                    continue
-                except NotFoundError:
-                    raise
-                except NatsError as e:  # JetStream refused (a server restarting): try again
-                    log.warning(
-                        "fetching events failed; retrying", extra={"fields": {"error": repr(e)}}
-                    )
-                    await asyncio.sleep(FETCH_RETRY_S)
+                msgs = await pull.fetch(self.batch, wait)
+                if not msgs:
                     continue
                 last = time.monotonic()
                 for m in msgs:
-                    try:
-                        ev = decode(m.data, type_)
-                    except ProtocolError as e:
+                    ev = await pull.decode(m)
+                    if ev is None:  # logged and acked
                         self.skipped += 1
-                        log.warning(
-                            "bad event skipped",
-                            extra={"fields": {"subject": m.subject, "error": str(e)}},
-                        )
-                        await m.ack()
                         continue
                     yield ev
                     await m.ack()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from libs.client.errors import InvalidRequest
+from libs.engine.tools import content_before_calls
 from libs.protocol import Finished, Priority, ToolCall, ToolFunction, Usage
 from libs.response_items import (
     ItemError,
@@ -27,7 +28,6 @@ from libs.response_items import (
     output_items,
     wire_tool_choice,
 )
-from libs.tools import content_before_calls
 
 InputItems = str | Sequence[Mapping[str, Any]]
 ToolChoiceLike = Literal["none", "auto", "required"] | Mapping[str, Any] | None

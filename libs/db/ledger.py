@@ -17,10 +17,8 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import FetchTimeoutError
 from sqlalchemy import and_, bindparam, func, or_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -28,20 +26,20 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from libs.db import Database
 from libs.db.models import RequestRow
 from libs.log import fields
-from libs.nats_util import (
+from libs.protocol import Subjects, UsageEvent
+from libs.settings import Settings
+from libs.wire.nats_util import (
     ensure_consumer,
     ensure_stream,
     events_stream_config,
     fleet_regions,
     ledger_stream_config,
 )
-from libs.protocol import ProtocolError, Subjects, UsageEvent, decode
-from libs.settings import Settings
+from libs.wire.pull import FETCH_WAIT_S, PullEndpoint
 
 log = logging.getLogger("strait.ledger")
 
 LEDGER_DURABLE = "ledger"
-FETCH_TIMEOUT_S = 0.5
 ACK_WAIT_S = 30.0
 MAX_ERROR_CHARS = 2000
 MAX_BACKOFF_S = 30.0
@@ -182,36 +180,26 @@ class LedgerWriter:
                 deliver_policy=DeliverPolicy.ALL,
             ),
         )
-        self._sub = await self.js.pull_subscribe_bind(durable=LEDGER_DURABLE, stream=stream)
+        psub = await self.js.pull_subscribe_bind(durable=LEDGER_DURABLE, stream=stream)
+        # A deleted consumer is retried, not raised: the ledger has no one to restart it.
+        self._ep = PullEndpoint("ledger", UsageEvent, psub, log, retry_not_found=True)
         self._task = asyncio.create_task(self.run(), name="ledger-writer")
 
     async def stop(self) -> None:
         self._stopping.set()
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._task, FETCH_TIMEOUT_S * 4 + 5)
+                await asyncio.wait_for(self._task, FETCH_WAIT_S * 4 + 5)
             except TimeoutError:
                 self._task.cancel()
             self._task = None
-        # NOTE: unsubscribe before the connection drains; draining a pull subscription waits
-        # on a queue nothing empties.
-        try:
-            await self._sub.unsubscribe()
-        except Exception:
-            pass
+        await self._ep.close()  # before the connection drains
 
     async def run(self) -> None:
         backoff = self.settings.database.ledger_retry_s
         while not self._stopping.is_set():
-            try:
-                msgs = await self._sub.fetch(
-                    self.settings.database.ledger_batch, timeout=FETCH_TIMEOUT_S
-                )
-            except (FetchTimeoutError, NatsTimeout, TimeoutError):
-                continue
-            except Exception as e:  # NATS reconnecting
-                log.warning("ledger fetch failed", extra=fields(error=repr(e)))
-                await self._sleep(1.0)
+            msgs = await self._ep.fetch(self.settings.database.ledger_batch)
+            if not msgs:
                 continue
             if await self.write(msgs):
                 backoff = self.settings.database.ledger_retry_s
@@ -223,12 +211,10 @@ class LedgerWriter:
         """Upsert one fetched batch; False when the database refused it (batch nak'ed)."""
         events, good = [], []
         for m in msgs:
-            try:
-                events.append(decode(m.data, UsageEvent))
+            ev = await self._ep.decode(m)  # one that does not decode is terminated
+            if ev is not None:
+                events.append(ev)
                 good.append(m)
-            except ProtocolError as e:
-                log.error("bad usage event dropped", extra=fields(error=str(e)))
-                await m.term()
         try:
             await upsert_usage(self.db, events)
         except Exception as e:

@@ -43,7 +43,7 @@ from libs.engine.loader import ModelShape
 from libs.engine.output_stream import END, OutputStream
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
-from libs.tools import ToolSpec
+from libs.engine.tools import ToolSpec
 
 log = logging.getLogger("strait.engine")
 

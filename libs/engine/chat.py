@@ -4,8 +4,8 @@ Used by ``AsyncEngineBackend.prepare`` (on a worker thread). With a chat templat
 tools (Qwen, Hermes, Llama 3.1…), transformers' ``apply_chat_template(tools=...)`` does it all:
 tool definitions, assistant ``tool_calls`` and ``tool`` results. With one that ignores them
 (SmolLM2's), Strait's fallback keeps the conversation meaningful: the call format is taught in
-the system message (``libs.tools.fallback_instructions``), earlier calls are written back as that
-markup, and tool results become user turns wrapped in ``<tool_response>``.
+the system message (``libs.engine.tools.fallback_instructions``), earlier calls are written back
+as that markup, and tool results become user turns wrapped in ``<tool_response>``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from libs.engine.params import ChatMessage, ToolCall, ToolFunction
-from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec, fallback_instructions
+from libs.engine.tools import CALL_CLOSE, CALL_OPEN, ToolSpec, fallback_instructions
 
 _PROBE_TOOL = ToolFunction(name="probe_tool", description="probe")
 

@@ -54,8 +54,9 @@ class SpeculativeSettings(BaseModel):
 
 
 class StructuredSettings(BaseModel):
-    """How a request's JSON schema and regex are read by the grammar engine (libs/json_schema.py,
-    docs/structured-outputs.md): as OpenAI, vLLM and llama.cpp users expect, so an answer ends."""
+    """How a request's JSON schema and regex are read by the grammar engine
+    (libs/engine/json_schema.py, docs/structured-outputs.md): as OpenAI, vLLM and llama.cpp
+    users expect, so an answer ends."""
 
     # An object schema listing `properties` with no `additionalProperties` admits no others
     # (OpenAI's and vLLM's reading); false: JSON Schema's default, any other property.

@@ -12,7 +12,7 @@ from typing import Literal
 
 # Every code a request can end with. The engine raises invalid_request,
 # context_length_exceeded and internal_error; the others are the fleet's (the router's, the
-# gateway's, a worker's) and travel in the same ``ErrorMessage.code`` (libs/protocol.py
+# gateway's, a worker's) and travel in the same ``ErrorMessage.code`` (libs/protocol/
 # re-exports this list).
 ErrorCode = Literal[
     "invalid_request",

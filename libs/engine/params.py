@@ -4,7 +4,7 @@
 (:class:`ChatMessage`, :class:`ToolCall`) and the functions a model may call
 (:class:`ToolFunction`), the per-token log-probabilities it reports (:class:`LogprobEntry`), and
 the bounds on them. These are ``msgspec`` structs because they also travel: the wire protocol
-(``libs/protocol.py``) embeds them in ``GenerateRequest`` and ``TokenDelta`` and re-exports
+(``libs/protocol/``) embeds them in ``GenerateRequest`` and ``TokenDelta`` and re-exports
 them, so their JSON is the wire's. The engine imports nothing of the fleet; the gateway and
 the protocol translate into these.
 
@@ -62,7 +62,7 @@ PRIORITY_BANDS: tuple[Priority, ...] = ("interactive", "standard", "batch")  # b
 
 
 class Tenant(msgspec.Struct, frozen=True):
-    """Who a request is served as in the engine's fair share of tokens (libs/flow/fair.py)
+    """Who a request is served as in the engine's fair share of tokens (libs/engine/fair.py)
     and its weight there; the fleet names it (libs/flow/tenant.py)."""
 
     name: str = ""

@@ -4,7 +4,7 @@ Called by :meth:`libs.engine.engine.LLMEngine.step` once per step; owns the wait
 queues. Policy:
 
 - order is priority band (interactive, standard, batch), then, with ``engine.fair_share``,
-  the tenant's weighted count of tokens served (:class:`libs.flow.fair.FairShare`, charged
+  the tenant's weighted count of tokens served (:class:`libs.engine.fair.FairShare`, charged
   with every token a step runs), then arrival;
 - a waiting tenant with no sequence running gets a seat while ``max_num_seqs`` are taken, up
   to ``fair_headroom_seqs`` more, and then (``fair_preempt``) by preempting the sequence last
@@ -39,10 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.engine.config import EngineSettings
+from libs.engine.fair import FairShare
 from libs.engine.kv_manager import KvManager
 from libs.engine.sequence import SeqStatus, Sequence
 from libs.engine.step_cost import PrefillBudget, StepCostModel
-from libs.flow.fair import FairShare
 
 
 @dataclass(slots=True)

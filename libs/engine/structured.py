@@ -32,9 +32,9 @@ import torch
 from libs.engine import metrics
 from libs.engine.config import StructuredSettings
 from libs.engine.errors import BackendError
+from libs.engine.json_schema import ascii_regex
 from libs.engine.params import StructuredOutput
-from libs.json_schema import ascii_regex
-from libs.tools import ToolSpec, forced_calls_lark, with_layout
+from libs.engine.tools import ToolSpec, forced_calls_lark, with_layout
 
 # Compiled (validated) grammars kept per worker, by grammar text.
 GRAMMAR_CACHE_ENTRIES = 256
@@ -47,7 +47,7 @@ def grammar_text(
 ) -> str | None:
     """llguidance grammar text of a request's constraint; None when it has none. Schemas and
     regexes are read by ``rules`` (``engine.structured``: closed objects, bounded numbers,
-    ASCII classes; :mod:`libs.json_schema`).
+    ASCII classes; :mod:`libs.engine.json_schema`).
 
     Raises ``BackendError(invalid_request)`` for a grammar llguidance cannot read (e.g. GBNF
     that does not parse). A forced tool call and a JSON schema together: either calls or JSON.

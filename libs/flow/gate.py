@@ -1,5 +1,5 @@
 """Seats for requests served at once, handed out in fair-share order: the fake backend's
-admission (libs/fake_engine.py), by the same rules as the engine's scheduler
+admission (libs/backend/fake.py), by the same rules as the engine's scheduler
 (libs/engine/scheduler.py): a tenant with no request seated goes first in its band, into up
 to ``headroom`` seats beyond ``seats``; otherwise the oldest request of the tenant with the
 lowest counter in the best band, while a seat is free. No preemption."""
@@ -10,7 +10,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 
-from libs.flow.fair import FairShare
+from libs.engine.fair import FairShare
 
 
 @dataclass(eq=False)

@@ -5,6 +5,7 @@ Public API (used by the engine, the CLI and tests): :func:`prepare_model`, :func
 """
 
 from libs.models.convert import convert_gguf, is_converted
+from libs.models.known import KNOWN_MODELS, KnownModel
 from libs.models.prepare import (
     ModelNotFoundError,
     cli_convert,
@@ -13,7 +14,6 @@ from libs.models.prepare import (
     list_models,
     prepare_model,
 )
-from libs.models.registry import KNOWN_MODELS, KnownModel
 
 __all__ = [
     "KNOWN_MODELS",

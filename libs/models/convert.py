@@ -16,10 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-log = logging.getLogger("strait.models")
+from libs.engine.converted import DONE_MARKER, marker_text
 
-# Written last into a converted directory: its presence means the conversion completed.
-DONE_MARKER = ".strait-converted"
+log = logging.getLogger("strait.models")
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -100,7 +99,7 @@ def convert_gguf(
                 ids.append(token_id)
             gen.eos_token_id = sorted(set(ids))
             gen.save_pretrained(tmp)
-        (Path(tmp) / DONE_MARKER).write_text(f"source={gguf_path}\n")
+        (Path(tmp) / DONE_MARKER).write_text(marker_text(gguf_path))
         bar.update()
 
         if out_dir.exists():

@@ -5,7 +5,7 @@ The engine takes only its own config (``libs.engine.config.EngineSettings``) and
 directories; this module resolves a pool's model (and a speculative draft model) to those
 directories, converting once (:func:`libs.models.prepare_model`), and picks the pool's engine
 config (``Settings.engine_for``). Called by the workers' entry points at start-up
-(``services/worker/main.py``).
+(``services/worker/process.py``, ``services/prefill/main.py``).
 """
 
 from __future__ import annotations

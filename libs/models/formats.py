@@ -47,7 +47,8 @@ def _linear_shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, i
 
 def _gguf_bytes(model_dir: Path) -> tuple[int, str] | None:
     """(bytes of the GGUF's linear tensors, block types) for a directory converted from one."""
-    from libs.engine.quant.gguf import LAYER_NAMES, source_gguf
+    from libs.engine.converted import source_gguf
+    from libs.engine.quant.gguf import LAYER_NAMES
 
     path = source_gguf(model_dir)
     if path is None:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from libs.models.convert import convert_gguf, is_converted
-from libs.models.registry import KNOWN_MODELS, KnownModel
+from libs.models.known import KNOWN_MODELS, KnownModel
 from libs.settings import Settings, get_settings
 
 log = logging.getLogger("strait.models")

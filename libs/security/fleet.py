@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
-from libs.nats_util import connect, ensure_team_streams
 from libs.protocol import Subjects, TeamsChanged, encode
 from libs.security.server_config import grants, render, team_account
 from libs.security.teams import TeamStore, secure_dir
 from libs.security.tls import TlsFiles, ensure_dev_tls
 from libs.settings import NatsSettings, Settings
+from libs.wire.nats_util import connect, ensure_team_streams
 
 # Seconds `apply` waits for the server to show a change, polling every POLL_S; one request to
 # the monitoring endpoint waits MONITOR_TIMEOUT_S.

@@ -10,7 +10,7 @@ class CacheSettings(Section):
 
     enabled: bool = False
     """Workers look up, fetch and store prefix blocks in the cache service only when true
-    (libs/kv_cache_client.CacheClient answers "disabled" without touching NATS otherwise)."""
+    (libs/wire/kv_cache_client.CacheClient answers "disabled" without touching NATS otherwise)."""
     memory_bytes: int = 1024 * 1024 * 1024
     """Memory tier budget: bytes of KV tensor data held (index overhead not counted)."""
     disk_dir: str = ""

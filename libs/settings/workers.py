@@ -53,7 +53,7 @@ class WorkerSettings(Section):
 
 
 class HandoffSettings(Section):
-    """Disaggregated pools: the prefill → decode KV handoff (libs/protocol.py, "KV handoff")."""
+    """Disaggregated pools: the prefill → decode KV handoff (libs/protocol/handoff.py)."""
 
     request_timeout_s: float = 15.0
     """Seconds the prefill worker waits for a decode worker's answer to an offer or a commit.

@@ -12,9 +12,9 @@ import logging
 from prometheus_client import REGISTRY
 
 from libs.log import fields
-from libs.nats_util import connect
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from libs.wire.nats_util import connect
 from services.cache.metrics import StoreCollector
 from services.cache.service import CacheService
 

@@ -30,9 +30,7 @@ from nats.js import JetStreamContext
 
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
-from libs.kv_cache_client import FetchError, chunk_limit, join_chunks
 from libs.log import fields
-from libs.nats_util import cache_events_stream_config, ensure_stream, publish_chunks
 from libs.protocol import (
     CHUNK_HEADER,
     TRANSFER_HEADER,
@@ -50,6 +48,8 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import Settings
+from libs.wire.kv_cache_client import FetchError, chunk_limit, join_chunks
+from libs.wire.nats_util import cache_events_stream_config, ensure_stream, publish_chunks
 from services.cache import metrics
 from services.cache.store import BlockStore, Changes
 from services.deadletter import dead_letter

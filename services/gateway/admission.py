@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from libs.flow.ratelimit import reserve_estimate
 from libs.protocol import GenerateRequest, StreamMessage
-from libs.ratelimit import reserve_estimate
 from libs.settings import GatewaySettings
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo

@@ -27,17 +27,20 @@ import time
 from collections import Counter
 from typing import Any
 
-from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import FetchTimeoutError
 from pydantic import ValidationError
 
 from libs.db.batches import ANY_KEY, DONE, BatchStore
 from libs.db.models import BatchRow
 from libs.log import fields
-from libs.nats_util import batch_stream_config, ensure_consumer, ensure_stream, work_queue_consumer
-from libs.protocol import BatchLine, ProtocolError, decode
+from libs.protocol import BatchLine
 from libs.settings import Settings
+from libs.wire.nats_util import (
+    batch_stream_config,
+    ensure_consumer,
+    ensure_stream,
+    work_queue_consumer,
+)
+from libs.wire.pull import PullEndpoint
 from services.gateway.auth import KeyInfo
 from services.gateway.batches import publish_lines, unix
 from services.gateway.chunks import Kind
@@ -52,8 +55,6 @@ log = logging.getLogger("strait.batch")
 # Errors a later attempt may not meet: the fleet was short of workers or capacity, or slow.
 RETRYABLE = frozenset({429, 503, 504})
 RETRYABLE_CODES = frozenset({"worker_lost", "timeout", "no_worker", "no_capacity", "queue_full"})
-# Pause after a fetch JetStream refused (server restarting, reconnecting).
-FETCH_RETRY_S = 0.5
 
 
 class BatchRunner:
@@ -79,7 +80,8 @@ class BatchRunner:
                 self.cfg.durable, [self.fleet.subjects.batch_all], self.cfg.ack_wait_s
             ),
         )
-        self.psub = await js.pull_subscribe_bind(self.cfg.durable, n.batch_stream)
+        psub = await js.pull_subscribe_bind(self.cfg.durable, n.batch_stream)
+        self.pull = PullEndpoint("batch.lines", BatchLine, psub, log, wait_s=self.cfg.fetch_wait_s)
         self._spawn(self.fetch_loop(), self.tasks)
         self._spawn(self.sweep_loop(), self.tasks)
 
@@ -88,8 +90,7 @@ class BatchRunner:
         for t in [*self.tasks, *self.lines]:
             t.cancel()
         await asyncio.gather(*self.tasks, *self.lines, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self.psub.unsubscribe()
+        await self.pull.close()
 
     def _spawn(self, coro: Any, into: set[asyncio.Task[Any]]) -> None:
         t = asyncio.create_task(coro)
@@ -105,23 +106,12 @@ class BatchRunner:
                 self.room_freed.clear()
                 await self.room_freed.wait()
                 continue
-            try:
-                msgs = await self.psub.fetch(free, timeout=self.cfg.fetch_wait_s)
-            except (FetchTimeoutError, NatsTimeout, TimeoutError):
-                continue
-            except NatsError as e:
-                log.warning("fetching batch lines failed; retrying", extra=fields(error=repr(e)))
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            for m in msgs:
+            for m in await self.pull.fetch(free):
                 self._spawn(self.line(m), self.lines)
 
     async def line(self, msg: Any) -> None:
-        try:
-            line = decode(msg.data, BatchLine)
-        except ProtocolError as e:
-            log.warning("undecodable batch line", extra=fields(error=str(e)))
-            await msg.term()
+        line = await self.pull.decode(msg)
+        if line is None:  # logged and terminated
             return
         self.active[line.batch_id] += 1
         keepalive = asyncio.create_task(self._keepalive(msg))

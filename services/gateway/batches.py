@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libs.db.batches import BatchStore, Page
 from libs.db.models import BatchRow, StoredFile
-from libs.nats_util import publish_acked
 from libs.protocol import BatchLine, Subjects, encode
 from libs.settings import Settings
+from libs.wire.nats_util import publish_acked
 from services.gateway.errors import ApiError
 
 # The endpoints a batch may run, as OpenAI names them.

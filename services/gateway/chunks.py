@@ -15,8 +15,8 @@ import msgspec
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from libs.engine.tools import content_before_calls
 from libs.protocol import Finished, LogprobEntry, TokenDelta, ToolCall
-from libs.tools import content_before_calls
 from services.gateway.errors import ApiError
 
 _JSON = msgspec.json.Encoder()

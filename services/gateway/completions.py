@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from opentelemetry import trace
 
+from libs.engine.tools import CallMarkupFilter
 from libs.log import fields
 from libs.protocol import (
     ErrorMessage,
@@ -35,9 +36,8 @@ from libs.protocol import (
     TokenDelta,
     UsageEvent,
 )
-from libs.stream_reader import StreamGap, StreamReader
 from libs.telemetry import tracer
-from libs.tools import CallMarkupFilter
+from libs.wire.stream_reader import StreamGap, StreamReader
 from services.gateway import metrics
 from services.gateway.chunks import (
     Accumulator,

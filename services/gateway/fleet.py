@@ -17,7 +17,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from libs.log import fields
-from libs.nats_util import DEDUPE_HEADER, connect, provision, publish_acked
 from libs.protocol import (
     CancelRequest,
     GenerateRequest,
@@ -29,8 +28,9 @@ from libs.protocol import (
 )
 from libs.registry import WorkerRegistry
 from libs.settings import Settings
-from libs.stream_reader import StreamMux, StreamReader
 from libs.telemetry import inject_headers
+from libs.wire.nats_util import DEDUPE_HEADER, connect, provision, publish_acked
+from libs.wire.stream_reader import StreamMux, StreamReader
 from services.endpoint import Endpoint, ignores
 
 log = logging.getLogger("strait.gateway")

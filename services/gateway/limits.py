@@ -1,12 +1,12 @@
-"""Per-key rate limits in this gateway's memory (``libs.ratelimit``'s buckets, keyed by API
+"""Per-key rate limits in this gateway's memory (``libs.flow.ratelimit``'s buckets, keyed by API
 key id): a key over its requests or tokens per minute gets 429 with Retry-After. With several
 gateway replicas each enforces its own share: the limit a key sees is per replica.
 """
 
 from __future__ import annotations
 
-from libs.ratelimit import RateLimiter as Buckets
-from libs.ratelimit import Refusal
+from libs.flow.ratelimit import RateLimiter as Buckets
+from libs.flow.ratelimit import Refusal
 from services.gateway import metrics
 from services.gateway.auth import KeyInfo
 from services.gateway.errors import ApiError

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from libs.engine.tools import CallMarkupFilter
 from libs.protocol import ChatMessage, StreamMessage, ToolCall
 from libs.response_items import call_item, message_item, new_item_id, output_items
-from libs.tools import CallMarkupFilter
 from services.gateway.completions import CompletionRun
 from services.gateway.errors import ApiError
 from services.gateway.responses import FunctionChoice, ResponseCreate

@@ -112,7 +112,7 @@ class LocalActuator:
         asyncio.run(self._listen())
 
     async def _listen(self) -> None:
-        from libs.nats_util import connect
+        from libs.wire.nats_util import connect
         from services.endpoint import Endpoint, logs
 
         self._loop = asyncio.get_running_loop()

@@ -26,7 +26,6 @@ import msgspec
 from nats.aio.msg import Msg
 
 from libs.log import fields
-from libs.nats_util import connect
 from libs.protocol import (
     PlanDecision,
     RouteDecision,
@@ -38,6 +37,7 @@ from libs.protocol import (
 )
 from libs.runtime import ServiceContext, run_service
 from libs.settings import Settings, get_settings
+from libs.wire.nats_util import connect
 from services.endpoint import Endpoint, logs
 from services.planner import metrics
 from services.planner.actuators import build_actuator

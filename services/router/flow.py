@@ -6,7 +6,7 @@ request, ``bypass`` (a tenant with fewer than ``flow.min_in_flight`` requests in
 held), ``over_share`` and ``expired`` while it waits, and ``order`` to rank the held line;
 ``Router.place`` calls ``placed`` when the request leaves for a worker; the stream watch's end
 (or ``place`` itself for a request it does not watch) calls ``ended``. Each pool has its own
-fair share (libs/flow/fair.py): a placement charges the request's prompt and ``max_tokens`` as
+fair share (libs/engine/fair.py): a placement charges the request's prompt and ``max_tokens`` as
 an estimate, corrected to the output it streamed when it ends. State is per request in flight
 or held, bounded by the router's own bounds (``router.max_pool_queue``, ``router.max_watched``).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from libs.flow.fair import FairShare
+from libs.engine.fair import FairShare
 from libs.flow.tenant import tenant_of
 from libs.protocol import Finished, GenerateRequest
 from libs.settings import Settings

@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from libs.fake_engine import fake_prompt_text, fake_token_ids
+from libs.backend.fake import fake_prompt_text, fake_token_ids
 from libs.log import fields
 from libs.protocol import ChatMessage, GenerateRequest
 from libs.settings import Settings

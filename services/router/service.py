@@ -29,23 +29,12 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from libs.log import fields
-from libs.nats_util import (
-    connect,
-    ensure_consumer,
-    ensure_team_streams,
-    provision,
-    regional_name,
-    team_stream_name,
-    work_queue_consumer,
-)
 from libs.protocol import (
     CancelRequest,
+    GenerateRequest,
     KvEvent,
     StreamOwner,
     Subjects,
@@ -57,6 +46,16 @@ from libs.protocol import (
 )
 from libs.registry import WorkerRegistry
 from libs.runtime import ServiceContext
+from libs.wire.nats_util import (
+    connect,
+    ensure_consumer,
+    ensure_team_streams,
+    provision,
+    regional_name,
+    team_stream_name,
+    work_queue_consumer,
+)
+from libs.wire.pull import PullEndpoint
 from services.endpoint import Endpoint, ignores, logs
 from services.router import metrics
 from services.router.router import Router
@@ -65,8 +64,6 @@ log = logging.getLogger("strait.router")
 
 ROUTER_DURABLE = "router"
 FETCH_BATCH = 32
-FETCH_TIMEOUT_S = 0.5
-FETCH_RETRY_S = 0.5  # pause after a fetch JetStream refused (server restarting, reconnecting)
 MAX_CONCURRENT_DECISIONS = 64
 DRAIN_INFLIGHT_S = 10.0  # at stop: how long decisions under way may take to finish
 
@@ -199,32 +196,17 @@ class RouterService:
             self.slots.release()
 
     async def read_requests(self, stream: str, psub: JetStreamContext.PullSubscription) -> None:
-        """Fetch ``stream``'s requests and route each, until the service stops."""
+        """Fetch ``stream``'s requests and route each, until the service stops. A deleted
+        consumer ends the loop (a sweep, or a restart, provisions it again)."""
+        # Router.handle decodes each request itself: a bad one is answered, not only dropped.
+        ep = PullEndpoint("router.requests", GenerateRequest, psub, log, context={"stream": stream})
         try:
             while not self.ctx.stopping.is_set():
-                try:
-                    msgs = await psub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
-                except (FetchTimeoutError, NatsTimeout, TimeoutError):
-                    continue
-                except NotFoundError:
-                    raise  # the consumer is gone: fail, and a restart provisions it again
-                except NatsError as e:
-                    # A server shutting down answers a pending fetch with 503
-                    # (ServiceUnavailable); the connection reconnects and fetching works again.
-                    log.warning(
-                        "fetching requests failed; retrying",
-                        extra=fields(stream=stream, error=repr(e)),
-                    )
-                    await asyncio.sleep(FETCH_RETRY_S)
-                    continue
-                for m in msgs:
+                for m in await ep.fetch(FETCH_BATCH):
                     await self.slots.acquire()
                     self.spawn(self.handle(m))
         finally:
-            # NOTE: a pull subscription's queue keeps the fetch status messages it never hands
-            # out, so draining it waits for drain_timeout; nothing is pending, drop it first.
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+            await ep.close()
 
     async def team_streams(self) -> None:
         """Each active team's requests stream and its loop (a team added by editing the teams

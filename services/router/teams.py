@@ -5,7 +5,7 @@ team is still allowed, and its rate limits.
 request that arrived on ``<p>.requests.<team>`` (a team's account, through its import) is
 stamped with that team and its tokens go to ``<p>.stream.<team>.<id>``, whatever the sender
 wrote in ``team``, ``api_key_id`` or ``reply_subject``. Then ``admit`` refuses revoked teams and
-applies the team's requests/tokens per minute (``libs.ratelimit``, the gateway's semantics) to
+applies the team's requests/tokens per minute (``libs.flow.ratelimit``, the gateway's semantics) to
 every request with a team: from NATS, and from the gateway for keys of a team. The router's
 stream watch calls ``finished`` when a request's stream ends: its reservation becomes its
 usage.
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import msgspec
 
+from libs.flow.ratelimit import RateLimiter, Refusal, reserve_estimate
 from libs.flow.tenant import capped
 from libs.log import fields
 from libs.protocol import ErrorCode, Finished, GenerateRequest, Subjects
-from libs.ratelimit import RateLimiter, Refusal, reserve_estimate
 from libs.security.teams import Team, TeamsFile
 from libs.settings import Settings
 

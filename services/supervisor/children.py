@@ -66,7 +66,7 @@ class Child:
     def start(self) -> None:
         """Start the process. A worker (and any standby) starts with SIGUSR1 and SIGUSR2
         blocked (the mask survives exec): an activation or a park sent while it still imports
-        and loads stays pending until the worker arms its handlers (services/worker/main.py
+        and loads stays pending until the worker arms its handlers (services/worker/process.py
         ``arm_signals``), instead of ending the process by the signals' default action."""
         blocked = {signal.SIGUSR1, signal.SIGUSR2}
         old = (

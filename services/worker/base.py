@@ -1,9 +1,10 @@
 """What every worker does, whatever its role: take assignments, cancels, resends and team
 revocations over NATS, own its requests' streams, beat its load, drain.
 
-Subclassed by each role (``services.worker.main`` picks one by ``worker.role``):
-``AggregatedWorker`` (aggregated.py: prompt and tokens here), ``DecodeWorker`` (decode.py: tokens
-after a KV handoff) and ``PrefillWorker`` (prefill.py: prompt and first token, then a handoff).
+Subclassed by each role (``strait worker`` runs the entry of ``worker.role``'s package):
+``AggregatedWorker`` (aggregated.py: prompt and tokens here), ``DecodeWorker``
+(services/decode/worker.py: tokens after a KV handoff) and ``PrefillWorker``
+(services/prefill/worker.py: prompt and first token, then a handoff).
 Flow per assignment: router --Assignment (request/reply)--> ``on_assignment`` → ack → the role's
 ``serve`` task → TokenDelta… → Finished (or ErrorMessage, through :meth:`Worker.fail`), and
 :meth:`Worker.finish` logs it. A ``CancelRequest`` aborts the request and frees its blocks.
@@ -28,7 +29,6 @@ from opentelemetry.context import Context
 
 from libs.backend import Backend, BackendError, GenerationChunk
 from libs.log import fields
-from libs.nats_util import publish_msg
 from libs.protocol import (
     AdapterCommand,
     AdapterReply,
@@ -53,8 +53,9 @@ from libs.protocol import (
     validate_request,
 )
 from libs.settings import Settings
-from libs.stream_writer import StreamTaken, StreamWriter
 from libs.telemetry import extract_context, tracer
+from libs.wire.nats_util import publish_msg
+from libs.wire.stream_writer import StreamTaken, StreamWriter
 from services.deadletter import dead_letter
 from services.endpoint import Endpoint, dead_letters
 from services.worker import metrics
@@ -114,7 +115,7 @@ class Worker:
     # ------------------------------------------------------------ NATS endpoints
 
     def endpoints(self) -> list[tuple[str, Endpoint[Any]]]:
-        """(subject, handler) of everything a worker of any role serves; ``services.worker.main``
+        """(subject, handler) of everything a worker of any role serves; ``services.worker.process``
         subscribes them (and a decode worker's handoff subjects, ``HandoffReceiver``)."""
         nc, subjects, wid = self.nc, self.subjects, self.worker_id
         letters = dead_letters(nc, subjects, "worker")

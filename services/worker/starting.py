@@ -1,7 +1,7 @@
 """What a worker says before it beats: ``WorkerStarting`` announcements (decision 0037).
 
-``services.worker.main`` connects to NATS before it loads its backend and runs an
-:class:`Announcer` while it loads: every ``worker.beat_interval_s`` it publishes the stage the
+A worker connects to NATS before it loads its backend, and runs an :class:`Announcer` while it
+loads (``services.worker.process.start_announced``): every ``worker.beat_interval_s`` it publishes the stage the
 engine reports (``AsyncEngineBackend.on_stage``, called from the loading thread) and how long
 it has been in it. A router waits for the worker's pool while those keep coming and the stage
 moves on (``router.worker_stall_s``). A standby publishes ``standby`` while it waits, loaded,

@@ -2,7 +2,7 @@
 published to JetStream in the background (``worker.report_usage``; deduplicated by its message
 id, retried ``worker.usage_publish_attempts`` times), never failing the stream it counts; the
 gateway's own event may still carry the request when it is lost. Flushed before the connection
-closes (``services.worker.main``)."""
+closes (``services.worker.process.run_worker``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import logging
 from nats.aio.client import Client as NATS
 
 from libs.log import fields
-from libs.nats_util import publish_acked
 from libs.protocol import Assignment, Subjects, Usage, UsageEvent, encode, request_key
 from libs.settings import WorkerSettings
+from libs.wire.nats_util import publish_acked
 
 log = logging.getLogger("strait.worker")
 

@@ -19,9 +19,9 @@ from bench.support.tiny_models import save_tiny_model_dir, tiny_model
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.engine.lora import CONFIG_FILE, TARGETS, WEIGHTS_FILE
 from libs.engine.lora.layers import adaptable_linears
-from libs.nats_util import connect
 from libs.protocol import AdapterCommand, Subjects
 from libs.settings import EngineSettings, Settings
+from libs.wire.nats_util import connect
 from services.adapters import send
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import nats
 import pytest
 
 from libs.protocol import Finished, ResendRequest, TokenDelta, Usage, decode, encode
-from libs.stream_reader import StreamGap, StreamReader
-from libs.stream_writer import StreamWriter
+from libs.wire.stream_reader import StreamGap, StreamReader
+from libs.wire.stream_writer import StreamWriter
 
 pytestmark = pytest.mark.integration
 

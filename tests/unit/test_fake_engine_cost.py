@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import libs.fake_engine as fake_engine
-from libs.fake_engine import FakeBackend
+import libs.backend.fake as fake_engine
+from libs.backend.fake import FakeBackend
 from libs.protocol import SamplingParams
 from libs.settings import FakeEngineSettings
 

@@ -1,4 +1,4 @@
-"""Known models (libs/models/registry.py): packages installed on demand, Gemma's turn template,
+"""Known models (libs/models/known.py): packages installed on demand, Gemma's turn template,
 and a sliding-window model's context limit. No package is installed and no model is loaded."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from libs.engine.loader import ModelShape
 from libs.models import prepare as prepare_mod
+from libs.models.known import GEMMA_TURNS_TEMPLATE, KNOWN_MODELS, KnownModel
 from libs.models.prepare import ModelNotFoundError, prepare_model
-from libs.models.registry import GEMMA_TURNS_TEMPLATE, KNOWN_MODELS, KnownModel
 from libs.settings import ModelsSettings, Settings
 
 pytestmark = pytest.mark.unit

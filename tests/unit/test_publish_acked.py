@@ -1,4 +1,4 @@
-"""libs.nats_util.publish_acked: what the gateway, the workers and the client library publish
+"""libs.wire.nats_util.publish_acked: what the gateway, the workers and the client library publish
 to JetStream with. A missing ack or a stream not back yet is published again under the same
 Nats-Msg-Id; anything else, and the last attempt's error, is raised."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from nats.js.errors import NoStreamResponseError
 
-from libs import nats_util
-from libs.nats_util import DEDUPE_HEADER, publish_acked
+from libs.wire import nats_util
+from libs.wire.nats_util import DEDUPE_HEADER, publish_acked
 
 pytestmark = pytest.mark.unit
 

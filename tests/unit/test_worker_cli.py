@@ -1,5 +1,6 @@
-"""Which worker a `strait` command line runs: `strait worker` serves worker.role (or --role);
-`strait decode` is `strait worker`, `strait prefill` is `strait worker --role prefill`."""
+"""Which worker a `strait` command line runs: `strait worker` serves worker.role (or --role),
+the entry of that role's package; `strait decode` is `strait worker`, `strait prefill` is
+`strait worker --role prefill`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 
 from libs.settings import Settings
 from services import cli
+from services.decode import main as decode_main
+from services.prefill import main as prefill_main
 from services.worker import main as worker_main
+from services.worker import process
 
 
 def run(argv: list[str], role: str = "aggregated") -> tuple[str, Any, str]:
@@ -26,7 +30,7 @@ def run(argv: list[str], role: str = "aggregated") -> tuple[str, Any, str]:
 
     with (
         mock.patch.object(cli, "get_settings", return_value=settings),
-        mock.patch.object(worker_main, "run_service", run_service),
+        mock.patch.object(process, "run_service", run_service),
     ):
         assert cli.main(argv) == 0
     assert settings.worker.role == role, "the caller's settings are not changed"
@@ -38,17 +42,17 @@ def run(argv: list[str], role: str = "aggregated") -> tuple[str, Any, str]:
     ("argv", "role", "expected"),
     [
         (["worker"], "aggregated", ("worker", worker_main.serve, "aggregated")),
-        (["worker"], "decode", ("worker", worker_main.serve, "decode")),
-        (["worker"], "prefill", ("prefill", worker_main.serve_prefill, "prefill")),
-        (["worker", "--role", "decode"], "aggregated", ("worker", worker_main.serve, "decode")),
+        (["worker"], "decode", ("worker", decode_main.serve, "decode")),
+        (["worker"], "prefill", ("prefill", prefill_main.serve, "prefill")),
+        (["worker", "--role", "decode"], "aggregated", ("worker", decode_main.serve, "decode")),
         (
             ["worker", "--role", "prefill"],
             "aggregated",
-            ("prefill", worker_main.serve_prefill, "prefill"),
+            ("prefill", prefill_main.serve, "prefill"),
         ),
-        (["decode"], "decode", ("worker", worker_main.serve, "decode")),
+        (["decode"], "decode", ("worker", decode_main.serve, "decode")),
         (["decode"], "aggregated", ("worker", worker_main.serve, "aggregated")),
-        (["prefill"], "aggregated", ("prefill", worker_main.serve_prefill, "prefill")),
+        (["prefill"], "aggregated", ("prefill", prefill_main.serve, "prefill")),
     ],
 )
 def test_worker_commands_pick_the_role(

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from libs.engine.converted import source_gguf
 from libs.engine.quant.base import WeightOnlyLinear
 from libs.engine.quant.blocks import BlockLinear, Blocks
 from libs.engine.quant.int8 import Int8Linear
 from libs.engine.quant.serve import make_linear
-from libs.models.convert import DONE_MARKER
 
 # HF module name suffix -> llama.cpp tensor name (llama, mistral, qwen2, gemma3 share them).
 LAYER_NAMES = {
@@ -49,18 +49,6 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 # Largest |dequantised - converted| allowed, relative to the tensor's largest magnitude
 # (both sides compute q * d + m in float32; only the order of operations may differ).
 _MATCH_RTOL = 1e-5
-
-
-def source_gguf(model_dir: str | Path) -> Path | None:
-    """The GGUF file a converted directory came from (its marker's ``source=``), or None."""
-    marker = Path(model_dir) / DONE_MARKER
-    if not marker.exists():
-        return None
-    for line in marker.read_text().splitlines():
-        if line.startswith("source="):
-            path = Path(line.removeprefix("source="))
-            return path if path.is_file() else None
-    return None
 
 
 def gguf_tensor_name(module_name: str) -> str | None:

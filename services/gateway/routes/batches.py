@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request, Response
 
 from libs.db.batches import BatchStore
 from libs.db.models import BatchRow, StoredFile
-from libs.nats_util import batch_stream_config, ensure_stream
 from libs.protocol import Subjects
+from libs.wire.nats_util import batch_stream_config, ensure_stream
 from services.gateway.batches import (
     BATCH_ENDPOINTS,
     COMPLETION_WINDOW,

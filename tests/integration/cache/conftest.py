@@ -10,8 +10,8 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from libs.kv_cache_client import CacheClient
 from libs.settings import Settings
+from libs.wire.kv_cache_client import CacheClient
 from services.cache.service import CacheService
 from tests.support.kv_blocks import block_bytes, random_blocks
 

@@ -17,7 +17,6 @@ from nats.js.api import DeliverPolicy
 from bench.support.services import nats_server
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
-from libs.kv_cache_client import CacheClient
 from libs.protocol import (
     CHUNK_HEADER,
     TRANSFER_HEADER,
@@ -34,6 +33,7 @@ from libs.protocol import (
 )
 from libs.runtime import ServiceContext
 from libs.settings import Settings
+from libs.wire.kv_cache_client import CacheClient
 from services.cache.main import serve
 from services.cache.service import CacheService
 from services.cache.store import BlockKey

@@ -25,9 +25,9 @@ from libs.client import (
     UnsupportedVersion,
     WorkerLost,
 )
-from libs.nats_util import provision
 from libs.protocol import ErrorCode, ErrorMessage, Subjects, encode
 from libs.settings import Settings
+from libs.wire.nats_util import provision
 
 # Each fleet/client test runs against the embedded server and, as a team, a secured one.
 pytestmark = [pytest.mark.integration, pytest.mark.nats_modes("embedded", "secured")]

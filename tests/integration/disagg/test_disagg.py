@@ -19,8 +19,6 @@ from bench.support.tiny_models import save_tiny_model_dir
 from libs.client import StraitClient
 from libs.engine.async_engine import AsyncEngineBackend
 from libs.engine.hashing import chain_hashes
-from libs.kv_cache_client import CacheClient
-from libs.nats_util import provision
 from libs.protocol import (
     Assignment,
     CancelRequest,
@@ -40,6 +38,8 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import EngineSettings, PoolSettings, Settings
+from libs.wire.kv_cache_client import CacheClient
+from libs.wire.nats_util import provision
 from services.cache.service import CacheService
 from services.worker import metrics
 from tests.unit.engine.helpers import reference_greedy

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.support.fleet import GatewayFleet
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import GenerateRequest, Subjects
 from libs.settings import Settings
 from services.gateway import completions

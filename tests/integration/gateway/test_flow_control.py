@@ -14,8 +14,8 @@ import nats
 import pytest
 
 from bench.support.fleet import GatewayFleet
+from libs.backend.fake import FakeBackend
 from libs.db.keys import FlowTerms, create_key
-from libs.fake_engine import FakeBackend
 from libs.protocol import ErrorMessage, GenerateRequest, SamplingParams, Subjects, decode_stream
 from libs.settings import Settings
 from tests.integration.gateway.conftest import eventually, ledger_rows

@@ -19,7 +19,7 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import PoolSettings, Settings
-from libs.stream_reader import StreamReader
+from libs.wire.stream_reader import StreamReader
 
 SMALL, LARGE = "smollm2-135m-instruct", "gemma3-270m"
 
@@ -79,7 +79,7 @@ class Client:
 async def client(settings: Settings) -> AsyncIterator[Client]:
     import nats
 
-    from libs.nats_util import provision
+    from libs.wire.nats_util import provision
 
     nc = await nats.connect(settings.nats.url)
     js = nc.jetstream()

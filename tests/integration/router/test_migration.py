@@ -10,7 +10,7 @@ import time
 import pytest
 
 from bench.support.fleet import InProcessFleet, WorkerHandle
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import (
     CancelRequest,
     ErrorMessage,
@@ -23,7 +23,7 @@ from libs.protocol import (
     encode,
 )
 from libs.settings import FakeEngineSettings, Settings
-from libs.stream_reader import StreamReader
+from libs.wire.stream_reader import StreamReader
 from services.router.router import Router
 from tests.integration.router.conftest import Client, poll
 
@@ -275,7 +275,7 @@ async def test_a_draining_worker_finishes_or_hands_over(
     router_settings: Settings, client: Client, max_tokens: int
 ) -> None:
     """SIGTERM's drain: no new work; what finishes within the deadline finishes here, the rest
-    migrates once the beats stop (what ``services.worker.main.run_worker`` does)."""
+    migrates once the beats stop (what ``services.worker.process.run_worker`` does)."""
     router_settings.fake_engine.per_token_s = 0.02
     r = req(f"d{max_tokens}", max_tokens=max_tokens)
     async with InProcessFleet(router_settings) as fleet:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from bench.support.fleet import InProcessFleet
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import (
     ErrorMessage,
     Finished,

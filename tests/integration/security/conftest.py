@@ -18,9 +18,9 @@ from bench.support.services import isolated_settings
 from libs.client import StraitClient
 from libs.db import Database
 from libs.db.ledger import LedgerWriter
-from libs.nats_util import connect
 from libs.security.fleet import SecureFleet
 from libs.settings import Settings
+from libs.wire.nats_util import connect
 from tests.integration.gateway.conftest import _pg_schema as pg_schema
 
 

@@ -16,7 +16,6 @@ from sqlalchemy import select
 
 from libs.client import PermissionDenied, RateLimited, error_from_message
 from libs.db.models import RequestRow
-from libs.nats_util import connect
 from libs.protocol import (
     ErrorMessage,
     GenerateRequest,
@@ -26,6 +25,7 @@ from libs.protocol import (
     encode,
 )
 from libs.security.tls import ensure_dev_tls
+from libs.wire.nats_util import connect
 from tests.integration.security.conftest import SecuredFleet
 
 pytestmark = pytest.mark.integration

@@ -34,8 +34,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from libs.nats_util import stream_configs
 from libs.settings import CacheSettings, NatsSettings, Settings
+from libs.wire.nats_util import stream_configs
 from services.cache.main import DRAIN_TIMEOUT_S as CACHE_DRAIN_TIMEOUT_S
 from services.cli import SERVICES, _parser
 from services.router.service import ROUTER_DURABLE

@@ -25,7 +25,7 @@ SLOW_STANDBY = textwrap.dedent(
     import time
     time.sleep(1.5)
     from libs.settings import Settings
-    from services.worker import main
+    from services.worker import process as main
     s = Settings()
     s.worker.standby = True
     main.arm_signals(s)

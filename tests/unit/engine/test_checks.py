@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from libs.backend.fake import FAKE_VOCAB, FakeBackend
 from libs.engine.checks import (
     check_kv_fits,
     check_logit_bias,
@@ -17,7 +18,6 @@ from libs.engine.checks import (
 )
 from libs.engine.errors import BackendError
 from libs.engine.params import ChatMessage, SamplingParams, StructuredOutput, ToolFunction
-from libs.fake_engine import FAKE_VOCAB, FakeBackend
 from libs.protocol import GenerateRequest, ProtocolError, validate_request
 from libs.settings import FakeEngineSettings
 

@@ -1,4 +1,4 @@
-"""Schemas and regexes read as vLLM and llama.cpp users expect (``libs.json_schema``,
+"""Schemas and regexes read as vLLM and llama.cpp users expect (``libs.engine.json_schema``,
 ``engine.structured``): objects closed unless ``additionalProperties`` opens them, integers and
 numbers that end, ``\\d`` ``\\w`` ``\\s`` as ASCII. Checked on the grammar a worker compiles,
 through llguidance's matcher on the tiny byte-level tokenizer, and on a tiny model's answers."""
@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from bench.support.tiny_models import tiny_tokenizer
+from libs.engine.json_schema import for_grammar
 from libs.engine.structured import Grammars
-from libs.json_schema import for_grammar
 from libs.protocol import SamplingParams, StructuredOutput
 from libs.settings import StructuredSettings
 from tests.unit.engine.helpers import Submission, run_engine

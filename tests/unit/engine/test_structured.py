@@ -16,8 +16,8 @@ import torch
 from bench.support.tiny_models import tiny_model, tiny_tokenizer
 from libs.backend import BackendError, Resume
 from libs.engine.engine import LLMEngine
+from libs.engine.tools import ToolSpec, parse_tool_calls
 from libs.protocol import SamplingParams, StructuredOutput, ToolFunction
-from libs.tools import ToolSpec, parse_tool_calls
 from tests.unit.engine.helpers import Submission, engine_settings, run_engine
 
 pytestmark = pytest.mark.unit

@@ -9,10 +9,10 @@ import itertools
 import pytest
 
 from libs.engine.block_pool import BlockPool
+from libs.engine.fair import FairShare
 from libs.engine.kv_manager import KvManager
 from libs.engine.scheduler import Scheduler
 from libs.engine.sequence import Sequence
-from libs.flow.fair import FairShare
 from libs.protocol import Priority, SamplingParams
 from libs.settings import EngineSettings
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libs import ratelimit as limits_mod
 from libs.db.keys import check_secret, hash_secret, key_id_of, new_secret
+from libs.flow import ratelimit as limits_mod
 from libs.protocol import ChatMessage, GenerateRequest, SamplingParams
 from libs.settings import GatewaySettings
 from services.gateway import cache as cache_mod

@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from libs.engine.params import BOUNDS
+from libs.engine.tools import CallMarkupFilter, ToolSpec, constraint_kind, parse_tool_calls
 from libs.protocol import SamplingParams, StructuredOutput, ToolFunction
 from libs.settings import Settings
-from libs.tools import CallMarkupFilter, ToolSpec, constraint_kind, parse_tool_calls
 from services.gateway.app import create_app
 from services.gateway.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 

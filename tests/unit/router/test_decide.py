@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import SamplingParams
 from libs.registry import WorkerRegistry
 from libs.settings import FakeEngineSettings, PoolSettings, Settings

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.fake_engine import FakeBackend
+from libs.backend.fake import FakeBackend
 from libs.protocol import ChatMessage, GenerateRequest, SamplingParams
 from libs.settings import FakeEngineSettings, PoolSettings, Settings
 from services.router.prefix import (

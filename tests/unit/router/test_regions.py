@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from libs.fake_engine import FakeBackend
-from libs.nats_util import ledger_stream_config, stream_configs
+from libs.backend.fake import FakeBackend
 from libs.protocol import SamplingParams, Subjects
 from libs.registry import WorkerRegistry
 from libs.settings import FakeEngineSettings, NatsSettings, PoolSettings, Settings
+from libs.wire.nats_util import ledger_stream_config, stream_configs
 from services.router.router import Decision, Rejection, Router
 from tests.unit.router.helpers import beat, hold, registry, request
 

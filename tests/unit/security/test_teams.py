@@ -13,8 +13,8 @@ import nkeys
 import pytest
 
 from bench.support.services import nats_binary
+from libs.flow.ratelimit import reserve_estimate
 from libs.protocol import GenerateRequest, SamplingParams, Subjects
-from libs.ratelimit import reserve_estimate
 from libs.security.server_config import grants, render
 from libs.security.teams import TeamError, TeamStore
 from libs.security.tls import ensure_dev_tls
@@ -171,7 +171,7 @@ def test_team_limits_and_revocation_come_from_the_teams_file(tmp_path: Path) -> 
     policy = TeamPolicy(s)
     assert policy.admit(_req()) == 0  # no team: nothing to limit
     alpha = _req(team="alpha")
-    # max_tokens + the prompt's estimate, as the gateway reserves (libs.ratelimit)
+    # max_tokens + the prompt's estimate, as the gateway reserves (libs.flow.ratelimit)
     assert policy.admit(alpha) == reserve_estimate(alpha) == 10 + 40 // 4 + 1
     assert isinstance(policy.admit(alpha), int)
     third = policy.admit(alpha)

@@ -2,7 +2,7 @@
 readers' ``ResendRequest``s, and nothing written once the worker no longer owns the stream.
 
 Who writes: the workers (``services.worker``: one :class:`StreamWriter` per running request,
-kept a while after it ends for resends). The reader's side is ``libs.stream_reader``.
+kept a while after it ends for resends). The reader's side is ``libs.wire.stream_reader``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
   in headers; JetStream publishes stored once per message id.
 - ``publish_chunks``: a payload larger than ``max_payload`` as numbered chunks.
 
-A request's token stream is read by ``libs.stream_reader`` and written by ``libs.stream_writer``.
+A request's token stream is read by ``libs.wire.stream_reader`` and written by
+``libs.wire.stream_writer``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 expect a schema to mean, where JSON Schema's own defaults would let a small model write forever.
 
 :func:`for_grammar` rewrites a request's schema (a copy) before llguidance compiles it
-(``libs.engine.structured``, and the tool-call grammars of ``libs.tools``):
+(``libs.engine.structured``, and the tool-call grammars of ``libs.engine.tools``):
 
 - **closed objects**: an object schema that lists ``properties`` and says nothing of
   ``additionalProperties`` admits no others (``additionalProperties: false``), as OpenAI's
@@ -19,7 +19,7 @@ expect a schema to mean, where JSON Schema's own defaults would let a small mode
   semantics; the grammar engine reads ``\\s`` as any Unicode space). :func:`ascii_regex` does
   the same to a whole-answer regex.
 
-No torch here: ``libs.tools`` (imported by the gateway) uses it.
+No torch here: ``libs.engine.tools`` (imported by the gateway) uses it.
 """
 
 from __future__ import annotations

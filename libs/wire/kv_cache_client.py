@@ -9,8 +9,7 @@ A cache is optional: no method raises. ``lookup`` reports a failure in ``LookupR
 ``fetch`` returns None on any failure or timeout (``cache.fetch_timeout_s``); ``store`` logs and
 drops. With ``cache.enabled = false`` every method answers at once without touching NATS.
 
-The chunk framing (shared with the service) is spelled out in libs/protocol.py, section
-"prefix cache": a typed JSON head, then raw chunks of a ``kv_transfer.encode`` payload, each
+The chunk framing (shared with the service) is spelled out in libs/protocol/cache.py: a typed JSON head, then raw chunks of a ``kv_transfer.encode`` payload, each
 with its index in the ``Strait-Chunk`` header.
 """
 
@@ -28,7 +27,6 @@ from nats.aio.msg import Msg
 from libs.engine import kv_transfer
 from libs.engine.kv_transfer import KvBlocks
 from libs.log import fields
-from libs.nats_util import publish_chunks
 from libs.protocol import (
     CHUNK_HEADER,
     CHUNK_HEADROOM_BYTES,
@@ -46,6 +44,7 @@ from libs.protocol import (
 )
 from libs.settings import Settings
 from libs.telemetry import inject_headers
+from libs.wire.nats_util import publish_chunks
 
 log = logging.getLogger("strait.cache.client")
 

@@ -1,7 +1,7 @@
 """The contract between a worker service and whatever generates tokens.
 
 Implemented by the real engine (``libs.engine.async_engine.AsyncEngineBackend``) and by the fake
-backend (``libs.fake_engine.FakeBackend``, load tests only). The worker calls ``prepare`` on its
+backend (``libs.backend.fake.FakeBackend``, load tests only). The worker calls ``prepare`` on its
 own event loop (cheap validation + tokenization), then iterates ``generate``; it calls ``abort``
 on cancel. ``load`` is read for every beat.
 """
@@ -21,7 +21,7 @@ from libs.engine.outputs import (
     Resume,
 )
 from libs.engine.params import ChatMessage, Priority, SamplingParams, Tenant
-from libs.tools import ToolSpec
+from libs.engine.tools import ToolSpec
 
 
 class Backend(Protocol):

@@ -1,6 +1,7 @@
-"""The decode side of a KV handoff (disaggregated pools; protocol in libs/protocol.py).
+"""The decode side of a KV handoff (disaggregated pools; protocol in
+libs/protocol/handoff.py).
 
-Used by a decode worker (``services.worker.decode``; ``services.worker.main`` starts it): it
+Used by a decode worker (``services.decode.worker``; ``services.decode.main`` starts it): it
 subscribes :meth:`on_offer`, :meth:`on_kv`, :meth:`on_commit` and :meth:`on_abort` on this
 worker's handoff subjects, and runs :meth:`sweep_loop`. Per transfer:
 
@@ -45,9 +46,9 @@ from libs.protocol import (
     request_key,
 )
 from libs.telemetry import extract_context
+from services.decode.worker import DecodeWorker
 from services.endpoint import Endpoint, answers_or_dead_letters, dead_letters
 from services.worker import metrics
-from services.worker.decode import DecodeWorker
 
 log = logging.getLogger("strait.handoff")
 

@@ -1,7 +1,7 @@
 """The decode worker of a disaggregated pool (``worker.role = "decode"``).
 
 Its requests arrive prefilled: a prefill worker offers one over the handoff subjects
-(``services.worker.handoff.HandoffReceiver``), the KV blocks are imported into this engine's
+(``services.decode.handoff.HandoffReceiver``), the KV blocks are imported into this engine's
 prefix cache, and :meth:`DecodeWorker.serve_handoff` generates from the handed-off first token,
 continuing the stream at ``HandoffOffer.next_seq``. An assignment sent to it directly (the router
 sends none: it places a disaggregated pool's requests on prefill workers) runs as on an

@@ -20,12 +20,12 @@ from typing import Literal
 
 from libs.engine.checks import check_prompt
 from libs.engine.errors import BackendError
+from libs.engine.fair import FairShare
 from libs.engine.outputs import GenerationChunk, LoadInfo, PreparedPrompt, Resume
 from libs.engine.params import PRIORITY_BANDS, ChatMessage, Priority, SamplingParams, Tenant
-from libs.flow.fair import FairShare
+from libs.engine.tools import CALL_CLOSE, CALL_OPEN, ToolSpec
 from libs.flow.gate import FairGate
 from libs.settings import FakeEngineSettings
-from libs.tools import CALL_CLOSE, CALL_OPEN, ToolSpec
 
 FAKE_VOCAB = 50_000
 _WORDS = (

@@ -5,7 +5,7 @@ Who reads: the gateway (through one :class:`StreamMux` of its own), the client l
 the stream (or reply) subject *before* publishing the request, then iterate
 :meth:`StreamReader.messages`: typed stream messages in ``seq`` order (from 1), duplicates
 dropped, a missing ``seq`` asked for again from its writer (``ResendRequest``) and reported as a
-:class:`StreamGap` when it never comes. The writer's side is ``libs.stream_writer``.
+:class:`StreamGap` when it never comes. The writer's side is ``libs.wire.stream_writer``.
 """
 
 from __future__ import annotations

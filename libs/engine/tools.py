@@ -25,8 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from libs.engine.json_schema import for_grammar
 from libs.engine.params import ToolCall, ToolChoice, ToolFunction
-from libs.json_schema import for_grammar
 
 if TYPE_CHECKING:  # the wire's request, read by ToolSpec.of; the engine never imports it
     from libs.protocol import GenerateRequest
@@ -41,7 +41,7 @@ JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separa
 
 def with_layout(schema: dict[str, Any], rules: StructuredSettings) -> dict[str, Any]:
     """``schema`` as the grammar engine is given it: read by ``rules``
-    (:func:`libs.json_schema.for_grammar`: closed objects, bounded numbers, ASCII classes),
+    (:func:`libs.engine.json_schema.for_grammar`: closed objects, bounded numbers, ASCII classes),
     with :data:`JSON_LAYOUT` (the schema's own ``x-guidance`` keys win)."""
     out = for_grammar(schema, rules)
     return {**out, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}

@@ -3,7 +3,7 @@
 Who calls it: the engine's scheduler (libs/engine/scheduler.py) orders its waiting queue and
 picks whom to preempt by it and charges every token it runs; the router
 (services/router/holds.py) orders the requests it holds and charges what it places; the fake
-backend (libs/fake_engine.py) seats its requests by it.
+backend (libs/backend/fake.py) seats its requests by it.
 
 Each tenant has a counter: tokens served to it divided by its weight, a prompt token at
 ``prompt_cost`` and an output token at ``output_cost`` (the unit). Among waiting requests the
