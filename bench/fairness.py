@@ -32,6 +32,7 @@ import httpx
 import msgspec
 import nats
 
+from bench.stats import pct
 from libs.db.keys import FlowTerms, create_key
 from libs.protocol import (
     ErrorMessage,
@@ -146,10 +147,6 @@ async def quiet(send: Send, until: float) -> list[float]:
         if seen:
             ttfts.append(seen[0] - t0)
     return ttfts
-
-
-def pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:

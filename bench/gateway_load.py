@@ -524,10 +524,8 @@ workers = {args.workers}
 
 def start_fleet(tmp: Path, nats_url: str, args: argparse.Namespace, gateways: int) -> Any:
     """A ProcessFleet (router, workers, first gateway) plus gateways 2..G on ports of their own."""
-    import httpx
-
     from bench.support.procs import ProcessFleet
-    from bench.support.services import free_port
+    from bench.support.services import free_port, wait_gateway
 
     fleet = ProcessFleet(
         tmp, nats_url, config_toml(args), workers=[{} for _ in range(args.workers)]
@@ -541,16 +539,7 @@ def start_fleet(tmp: Path, nats_url: str, args: argparse.Namespace, gateways: in
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 60
         for url in urls:  # every gateway sees every worker
-            while True:
-                try:
-                    r = httpx.get(f"{url}/ready", timeout=1)
-                    if r.status_code == 200 and r.json()["live_workers"] >= args.workers:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway {url} not ready")
-                time.sleep(0.2)
+            wait_gateway(url, args.workers, deadline, f"gateway {url} not ready")
     except BaseException:
         fleet.__exit__(None, None, None)
         raise

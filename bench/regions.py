@@ -37,14 +37,8 @@ from typing import Any
 import httpx
 
 from bench.chaos.load import reference
+from bench.stats import pct
 from bench.support.regions import Call, RegionFleet, Supercluster, chat, fake_config
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def summary(calls: list[Call]) -> dict[str, Any]:

@@ -35,6 +35,12 @@ def nearest_rank(values: Iterable[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))] if s else None
 
 
+def pct(values: Iterable[float], q: float) -> float:
+    """:func:`nearest_rank`, NaN for no values (the tails the fleet benches print)."""
+    found = nearest_rank(values, q)
+    return math.nan if found is None else found
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` by linear interpolation (see module doc).
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.stats import pct
 from bench.workloads import generate
 from libs.protocol import Priority, SamplingParams
 
@@ -51,13 +52,6 @@ class Stream:
     done: float | None = None
     max_tokens: int = 0
     priority: Priority = "interactive"
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def gaps(streams: list[Stream]) -> list[float]:

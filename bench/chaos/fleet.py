@@ -23,7 +23,7 @@ import httpx
 from bench.gateway_load import UNBOUNDED, UNBOUNDED_GATEWAY
 from bench.support.nats_servers import NatsCluster, NatsServer, run_sync
 from bench.support.procs import ProcessFleet
-from bench.support.services import free_port
+from bench.support.services import free_port, wait_gateway
 
 MODEL = "fake-model"
 
@@ -334,17 +334,10 @@ class Fleet:
     def wait_live(self, timeout: float = 90.0) -> None:
         """Every gateway ready and seeing every worker; every extra router answering."""
         deadline = time.monotonic() + timeout
-        pending = list(self.gateway_urls)
-        while pending:
-            url = pending[0]
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                r = httpx.get(f"{url}/ready", timeout=1)
-                if r.status_code == 200 and r.json()["live_workers"] >= self.n_ready:
-                    pending.pop(0)
-                    continue
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gateway {url} never saw {self.n_ready} workers")
-            time.sleep(0.2)
+        for url in self.gateway_urls:
+            wait_gateway(
+                url, self.n_ready, deadline, f"gateway {url} never saw {self.n_ready} workers"
+            )
         for name, port in self.metrics_port.items():
             if name.startswith("router"):
                 url = f"http://127.0.0.1:{port}"

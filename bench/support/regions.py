@@ -16,7 +16,6 @@ written by the ledger region's gateway alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -31,7 +30,7 @@ from nats.js.errors import ServiceUnavailableError
 
 from bench.support.nats_servers import NatsCluster
 from bench.support.procs import ProcessFleet
-from bench.support.services import free_port
+from bench.support.services import free_port, ready_workers
 from libs.protocol import RouteDecision
 from libs.wire.nats_util import server_urls
 
@@ -171,10 +170,7 @@ class RegionFleet:
 
     def live_workers(self) -> int:
         """Workers the region's gateway sees (every region's: beats cross the gateways)."""
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            r = httpx.get(f"{self.url}/ready", timeout=1)
-            return int(r.json()["live_workers"])
-        return -1
+        return ready_workers(self.url)[1]
 
     def wait_workers(self, n: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

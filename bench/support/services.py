@@ -40,6 +40,30 @@ def wait_port(port: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def ready_workers(url: str) -> tuple[bool, int]:
+    """(``/ready`` answered 200, its ``live_workers``) of the gateway at ``url``; (False, -1)
+    when it does not answer or answers something else."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/ready", timeout=1)
+        return r.status_code == 200, int(r.json()["live_workers"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False, -1
+
+
+def wait_gateway(url: str, workers: int, deadline: float, error: str) -> None:
+    """Until the gateway at ``url`` is ready and sees ``workers`` workers; ``RuntimeError``
+    (``error``) past ``deadline`` (``time.monotonic()``)."""
+    while True:
+        ready, live = ready_workers(url)
+        if ready and live >= workers:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(error)
+        time.sleep(0.2)
+
+
 def nats_binary() -> str | None:
     cand = Path(sys.executable).parent / "nats-server"
     return str(cand) if cand.exists() else None

@@ -501,50 +501,23 @@ def _error_rows() -> list[str]:
     return rows
 
 
-def render_reference(settings: NatsSettings | None = None) -> str:
-    """The generated Markdown (defaults of ``NatsSettings`` unless given)."""
-    s = settings or NatsSettings()
-    lines = [
-        BEGIN,
-        "",
-        "### Subjects",
-        "",
-        f"With the default prefix `{s.subject_prefix}` (settings `nats.subject_prefix`; every "
-        "subject below starts with it).",
-        "",
-        "| subject | in `libs.protocol` | message | transport | publishers | subscribers | API |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        *_subject_rows(s),
-        "",
-        "### JetStream streams",
-        "",
-        "| stream (setting) | subjects | retention | storage | max age | max message size |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+def _stream_rows(s: NatsSettings) -> list[str]:
+    """The JetStream streams table's rows (``render_reference``)."""
+    rows = []
     settings_names = ("requests_stream", "events_stream", "cache_events_stream")
     for cfg, setting in zip(stream_configs(s), settings_names, strict=True):
         size = f"{cfg.max_msg_size} B" if (cfg.max_msg_size or -1) > 0 else "server max_payload"
-        lines.append(
+        rows.append(
             f"| `{cfg.name}` (`nats.{setting}`) | {', '.join(f'`{x}`' for x in cfg.subjects or [])} | "
             f"{cfg.retention.value if cfg.retention else ''} | "
             f"{cfg.storage.value if cfg.storage else ''} | {cfg.max_age:g} s | {size} |"
         )
-    lines += [
-        "",
-        "Consumers the fleet owns: `router` (requests stream; router replicas share it) and "
-        "`ledger` (events stream, filters `events.usage` and `events.usage.worker`; ledger writers share it). Binding to "
-        "either *takes* messages from the fleet: observers must use names of their own "
-        "(the client library refuses these two).",
-        "",
-        "### Messages",
-        "",
-        f"Protocol version `v` = {PROTOCOL_VERSION} (supported: {sorted(SUPPORTED_VERSIONS)}). "
-        "JSON schemas: " + ", ".join(f"[{n}](schemas/{n}.json)" for n in PUBLIC_MESSAGES) + ".",
-        "",
-    ]
-    for cls in MESSAGE_TABLES:
-        lines += _message_table(cls)
-    lines += [
+    return rows
+
+
+def _handoff_section() -> list[str]:
+    """The KV handoff section, text and message tables (``render_reference``)."""
+    lines = [
         "### KV handoff (fleet-internal)",
         "",
         "In a disaggregated pool the router's `Assignment.decode_workers` names the decode "
@@ -561,7 +534,12 @@ def render_reference(settings: NatsSettings | None = None) -> str:
     ]
     for cls in HANDOFF_TABLES:
         lines += _message_table(cls)
-    lines += [
+    return lines
+
+
+def _cache_section() -> list[str]:
+    """The prefix cache section, text and message tables (``render_reference``)."""
+    lines = [
         "### Prefix cache (fleet-internal)",
         "",
         "The cache service (docs/cache.md) answers on `cache.lookup` (request/reply) and "
@@ -583,6 +561,44 @@ def render_reference(settings: NatsSettings | None = None) -> str:
     ]
     for cls in CACHE_TABLES:
         lines += _message_table(cls)
+    return lines
+
+
+def render_reference(settings: NatsSettings | None = None) -> str:
+    """The generated Markdown (defaults of ``NatsSettings`` unless given)."""
+    s = settings or NatsSettings()
+    lines = [
+        BEGIN,
+        "",
+        "### Subjects",
+        "",
+        f"With the default prefix `{s.subject_prefix}` (settings `nats.subject_prefix`; every "
+        "subject below starts with it).",
+        "",
+        "| subject | in `libs.protocol` | message | transport | publishers | subscribers | API |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *_subject_rows(s),
+        "",
+        "### JetStream streams",
+        "",
+        "| stream (setting) | subjects | retention | storage | max age | max message size |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *_stream_rows(s),
+        "",
+        "Consumers the fleet owns: `router` (requests stream; router replicas share it) and "
+        "`ledger` (events stream, filters `events.usage` and `events.usage.worker`; ledger writers share it). Binding to "
+        "either *takes* messages from the fleet: observers must use names of their own "
+        "(the client library refuses these two).",
+        "",
+        "### Messages",
+        "",
+        f"Protocol version `v` = {PROTOCOL_VERSION} (supported: {sorted(SUPPORTED_VERSIONS)}). "
+        "JSON schemas: " + ", ".join(f"[{n}](schemas/{n}.json)" for n in PUBLIC_MESSAGES) + ".",
+        "",
+    ]
+    for cls in MESSAGE_TABLES:
+        lines += _message_table(cls)
+    lines += _handoff_section() + _cache_section()
     lines += [
         "### Error codes",
         "",

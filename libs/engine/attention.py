@@ -119,69 +119,117 @@ def paged_attention(
     strait_attn: AttentionMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The registered attention function; returns ``([1, T, H, D], None)``."""
+    """The registered attention function; returns ``([1, T, H, D], None)``. Picks one of the
+    paths below by what the metadata carries (each a plain call: no allocation here)."""
     meta = strait_attn
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs strait_attn metadata")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer: int = module.layer_idx  # type: ignore[assignment]
     if meta.kernels is not None:
-        # [1, H, T, D] -> [T, H, D]; key, value [1, Hkv, T, D] -> [T, Hkv, D]
-        args = (
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            meta.cache.data,
-            module.layer_idx,
-            meta.slot_mapping,
-            meta.block_tables,
-            meta.context_lens,
-            scale,
-        )
-        if torch.compiler.is_compiling():
-            out = torch.ops.strait.paged_attention(*args)
-        else:
-            out = meta.kernels.paged_attention(*args)
-        return out.unsqueeze(0), None
-
+        return _kernel_attention(query, key, value, meta, layer, scale), None
     if meta.row_lens is not None:
-        # Triton's paged kernel, every token a row (libs/engine/triton_attention.py).
-        assert meta.row_tables is not None
-        args = (
-            query[0],
-            key[0],
-            value[0],
-            meta.cache.data,
-            module.layer_idx,
-            meta.slot_mapping,
-            meta.row_tables,
-            meta.row_lens,
-            scale,
-        )
-        if torch.compiler.is_compiling():  # one opaque op, as below
-            return torch.ops.strait_torch.paged_decode_triton(*args).unsqueeze(0), None
-        return paged_decode_triton(*args).unsqueeze(0), None
-
+        return _triton_attention(query, key, value, meta, layer, scale), None
     if torch.compiler.is_compiling() and not meta.prefills:
-        # A compiled decode step (CUDA graphs with engine.compile): the cache write and the
-        # gather stay one opaque op, so the compiler never copies the cache to functionalise
-        # the in-place write.
-        assert meta.decode_token_idx is not None
-        assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        out = torch.ops.strait_torch.paged_decode(
-            query[0],
-            key[0],
-            value[0],
-            meta.cache.data,
-            module.layer_idx,
-            meta.slot_mapping,
-            None if meta.decode_all else meta.decode_token_idx,
-            meta.decode_block_ids,
-            meta.decode_mask,
-            scale,
-        )
-        return out.unsqueeze(0), None
+        return _compiled_decode(query, key, value, meta, layer, scale), None
+    return _torch_attention(query, key, value, meta, layer, scaling), None
 
-    k_cache, v_cache = meta.cache.layer(module.layer_idx)  # type: ignore[arg-type]
+
+def _kernel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """Strait's CPU kernels (``meta.kernels``): the cache write and every token's row in one
+    op; ``paged_attention`` calls it for each layer. Returns ``[1, T, H, D]``."""
+    # [1, H, T, D] -> [T, H, D]; key, value [1, Hkv, T, D] -> [T, Hkv, D]
+    args = (
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        meta.cache.data,
+        layer,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.context_lens,
+        scale,
+    )
+    if torch.compiler.is_compiling():
+        out = torch.ops.strait.paged_attention(*args)
+    else:
+        out = meta.kernels.paged_attention(*args)
+    return out.unsqueeze(0)
+
+
+def _triton_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """Triton's paged kernel, every token a row (``meta.row_lens``; libs/engine/
+    triton_attention.py); ``paged_attention`` calls it for each layer."""
+    assert meta.row_tables is not None
+    args = (
+        query[0],
+        key[0],
+        value[0],
+        meta.cache.data,
+        layer,
+        meta.slot_mapping,
+        meta.row_tables,
+        meta.row_lens,
+        scale,
+    )
+    if torch.compiler.is_compiling():  # one opaque op, as in _compiled_decode
+        return torch.ops.strait_torch.paged_decode_triton(*args).unsqueeze(0)
+    return paged_decode_triton(*args).unsqueeze(0)
+
+
+def _compiled_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """A compiled decode step (CUDA graphs with engine.compile), traced by
+    ``paged_attention``: the cache write and the gather stay one opaque op, so the compiler
+    never copies the cache to functionalise the in-place write."""
+    assert meta.decode_token_idx is not None
+    assert meta.decode_block_ids is not None and meta.decode_mask is not None
+    out = torch.ops.strait_torch.paged_decode(
+        query[0],
+        key[0],
+        value[0],
+        meta.cache.data,
+        layer,
+        meta.slot_mapping,
+        None if meta.decode_all else meta.decode_token_idx,
+        meta.decode_block_ids,
+        meta.decode_mask,
+        scale,
+    )
+    return out.unsqueeze(0)
+
+
+def _torch_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """torch's kernels (``paged_attention``'s fallback, for each layer): the cache write, then
+    the decode tokens as one padded SDPA and each prefill chunk as one SDPA."""
+    k_cache, v_cache = meta.cache.layer(layer)
     hkv, _, _, d = k_cache.shape
     # 1. Write the new K/V into their slots (rounded to the cache's dtype, engine.kv_cache_dtype).
     write_kv(k_cache, v_cache, meta.slot_mapping, key[0], value[0])
@@ -195,7 +243,7 @@ def paged_attention(
         idx = None if meta.decode_all else meta.decode_token_idx
         od = decode_rows(q, k_cache, v_cache, idx, meta.decode_block_ids, meta.decode_mask, scaling)
         if meta.decode_all:
-            return od.to(query.dtype).unsqueeze(0), None
+            return od.to(query.dtype).unsqueeze(0)
     out = query.new_empty(t, h, d)  # [T, H, D]
     if meta.decode_token_idx is not None:
         out.index_copy_(0, meta.decode_token_idx, od.to(out.dtype))
@@ -210,7 +258,7 @@ def paged_attention(
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling)
         # [Hkv, G * n, D] -> [H, n, D] -> [n, H, D]
         out[s : s + n] = os_.view(h, n, d).transpose(0, 1).to(out.dtype)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 # Scores and softmax in float32 whatever the activations' and the cache's dtypes: with

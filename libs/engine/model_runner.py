@@ -131,31 +131,11 @@ class ModelRunner:
         self.kv_dtype = DTYPES[settings.kv_dtype]  # engine.kv_cache_dtype, "auto" resolved
         self.block_size = settings.block_size
         self.shape = ModelShape.of(model.config)
-        # LoRA adapter slots (engine.max_loras) take their bytes out of the KV budget.
-        lora_bytes = lora.bank_bytes(model, settings, self.dtype)
-        self.num_blocks = num_kv_blocks(settings, self.shape, self.device, lora_bytes)
-        if self.num_blocks < 1:
-            raise ValueError(
-                "the KV budget holds no block; raise engine.kv_cache_bytes or "
-                "engine.kv_cache_memory_fraction"
-                + (" (or lower engine.max_loras / max_lora_rank)" if lora_bytes else "")
-            )
+        self.num_blocks = self._kv_blocks(settings)
         # Strait's CPU kernels, or None for torch's (engine.cpu_kernels; decision 0005).
         stage("loading_kernels")
         self.kernels = kernels.load(settings.cpu_kernels, settings.device, settings.dtype)
-        # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
-        # attention (the linears and the arg-max still use the kernels).
-        self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
-        # Triton's paged kernel for every step's attention (engine.cuda_attention), else torch's
-        # gather + SDPA; the CPU kernels take precedence where they serve.
-        self.row_attention = not self.kernel_attention and (
-            settings.cuda_attention == "triton"
-            or (
-                settings.cuda_attention == "auto"
-                and self.device.type == "cuda"
-                and triton_attention.supports(self.shape.head_dim)
-            )
-        )
+        self._choose_attention(settings)
         if graph_capture is None and self.device.type == "cuda" and settings.cuda_graphs:
             graph_capture = cuda_capture()
         if self.kernel_attention:
@@ -172,13 +152,7 @@ class ModelRunner:
             self.device,
         )
         self.groups = self.shape.num_heads // self.shape.num_kv_heads
-        if settings.fuse_projections:
-            fuse.fuse_projections(model)
-        quant.levels_to_huge_pages(model)
-        if self.kernels is not None:
-            n = pack_linears(model, self.kernels)
-            log.info("CPU kernels: %d linear layers packed, paged attention", n)
-        log.info("weights: %s", self.weights_summary())
+        self._prepare_weights(settings)
         self.lora = self._install_lora(settings, graph_capture is not None)
         # The forward under torch.compile (engine.compile; needs the kernels' ops): graphs kept
         # on disk ahead of time (engine.compile_aot, libs/engine/aot.py), or torch.compile's
@@ -197,21 +171,7 @@ class ModelRunner:
         self.compiled_shape_classes: set[bool] = set()  # tokens == 1 for each graph run
         self.compiled_steps = 0
         if settings.compile and self.kernel_attention and self.num_blocks >= 5:
-            if settings.compile_aot:
-                directory = Path(settings.compile_dir) if settings.compile_dir else None
-                self.aot = AotForward(model, settings, directory, settings.compile_background)
-            else:
-                # The model's modules never change after start: no guards on them (see
-                # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
-                guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-                self.compiled = torch.compile(
-                    own_forward_entry(), options={"cpp_wrapper": True, "guard_filter_fn": guards}
-                )
-            stage("loading_graphs")
-            log.info("engine.compile: preparing the forward's graphs (cached on disk after)...")
-            t0 = time.perf_counter()
-            self.warm_up()
-            log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
+            self._compile_forward(settings, stage)
         if graph_capture is not None:
             stage("capturing_graphs")
             self.graphs = self._decode_graphs(settings, graph_capture)
@@ -220,6 +180,73 @@ class ModelRunner:
                 "engine.compile needs the CPU kernels, a float32 KV cache and 5 KV blocks; "
                 "running eager"
             )
+        self._log_kv_cache(settings)
+
+    def _kv_blocks(self, settings: EngineSettings) -> int:
+        """The KV blocks the budget holds, once LoRA adapter slots (engine.max_loras) have
+        taken their bytes out of it; ``__init__`` calls it before anything is allocated, and
+        raises when not one block fits."""
+        lora_bytes = lora.bank_bytes(self.model, settings, self.dtype)
+        num_blocks = num_kv_blocks(settings, self.shape, self.device, lora_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                "the KV budget holds no block; raise engine.kv_cache_bytes or "
+                "engine.kv_cache_memory_fraction"
+                + (" (or lower engine.max_loras / max_lora_rank)" if lora_bytes else "")
+            )
+        return num_blocks
+
+    def _choose_attention(self, settings: EngineSettings) -> None:
+        """Sets ``kernel_attention`` and ``row_attention``, once the kernels are loaded
+        (``__init__``): which paged attention every step runs."""
+        # The paged attention kernel reads a float32 cache; a narrower one goes through torch's
+        # attention (the linears and the arg-max still use the kernels).
+        self.kernel_attention = self.kernels is not None and self.kv_dtype == torch.float32
+        # Triton's paged kernel for every step's attention (engine.cuda_attention), else torch's
+        # gather + SDPA; the CPU kernels take precedence where they serve.
+        self.row_attention = not self.kernel_attention and (
+            settings.cuda_attention == "triton"
+            or (
+                settings.cuda_attention == "auto"
+                and self.device.type == "cuda"
+                and triton_attention.supports(self.shape.head_dim)
+            )
+        )
+
+    def _prepare_weights(self, settings: EngineSettings) -> None:
+        """The model's linears fused (engine.fuse_projections), on huge pages and packed for
+        the CPU kernels; ``__init__`` calls it after the KV cache is allocated and before the
+        LoRA layers wrap the linears."""
+        if settings.fuse_projections:
+            fuse.fuse_projections(self.model)
+        quant.levels_to_huge_pages(self.model)
+        if self.kernels is not None:
+            n = pack_linears(self.model, self.kernels)
+            log.info("CPU kernels: %d linear layers packed, paged attention", n)
+        log.info("weights: %s", self.weights_summary())
+
+    def _compile_forward(self, settings: EngineSettings, stage: Callable[[str], None]) -> None:
+        """The forward under torch.compile (``engine.compile``, with the CPU kernels' paged
+        attention), ahead of time or per process, warmed up; ``__init__`` calls it once the
+        weights and the LoRA layers are in place."""
+        if settings.compile_aot:
+            directory = Path(settings.compile_dir) if settings.compile_dir else None
+            self.aot = AotForward(self.model, settings, directory, settings.compile_background)
+        else:
+            # The model's modules never change after start: no guards on them (see
+            # own_forward_entry for why that is safe; ~0.5 ms a step less in dynamo).
+            guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            self.compiled = torch.compile(
+                own_forward_entry(), options={"cpp_wrapper": True, "guard_filter_fn": guards}
+            )
+        stage("loading_graphs")
+        log.info("engine.compile: preparing the forward's graphs (cached on disk after)...")
+        t0 = time.perf_counter()
+        self.warm_up()
+        log.info("engine.compile: graphs ready in %.1f s", time.perf_counter() - t0)
+
+    def _log_kv_cache(self, settings: EngineSettings) -> None:
+        """The start's last log line (``__init__``): the KV cache's size and the attention."""
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.1f MiB), %s attention",
             self.num_blocks,

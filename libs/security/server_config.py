@@ -72,6 +72,34 @@ def _q(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
+def _team_account(prefix: str, team: Team, staged: bool, exports: list[str]) -> list[str]:
+    """The account block of one active ``team`` (``render``, per team): its imports of the
+    fleet's services and streams, whose exports it appends to ``exports``, and its user (none
+    while ``staged``)."""
+    g, acc = grants(prefix, team.name), team_account(team.name)
+    imports: list[str] = []
+    for kind, pairs in (("service", g.services), ("stream", g.streams)):
+        for remote, local in pairs:
+            exports.append(f"      {{{kind}: {_q(remote)}, accounts: [{_q(acc)}]}}")
+            imports.append(
+                f"      {{{kind}: {{account: {FLEET_ACCOUNT}, subject: {_q(remote)}}}, "
+                f"to: {_q(local)}}}"
+            )
+    pub = ", ".join(_q(x) for x in g.publish)
+    sub = ", ".join(_q(x) for x in g.subscribe)
+    users = (
+        ["    users: []"]
+        if staged
+        else [
+            f"    users: [{{nkey: {_q(team.public_key)}, permissions: {{",
+            f"      publish: {{allow: [{pub}]}}",
+            f"      subscribe: {{allow: [{sub}]}}",
+            "    }}]",
+        ]
+    )
+    return [f"  {_q(acc)}: {{", *users, "    imports: [", *imports, "    ]", "  }"]
+
+
 def render(
     *,
     prefix: str,
@@ -110,40 +138,7 @@ def render(
     exports: list[str] = []
     accounts: list[str] = []
     for t in active:
-        g, acc = grants(prefix, t.name), team_account(t.name)
-        imports: list[str] = []
-        for remote, local in g.services:
-            exports.append(f"      {{service: {_q(remote)}, accounts: [{_q(acc)}]}}")
-            imports.append(
-                f"      {{service: {{account: {FLEET_ACCOUNT}, subject: {_q(remote)}}}, "
-                f"to: {_q(local)}}}"
-            )
-        for remote, local in g.streams:
-            exports.append(f"      {{stream: {_q(remote)}, accounts: [{_q(acc)}]}}")
-            imports.append(
-                f"      {{stream: {{account: {FLEET_ACCOUNT}, subject: {_q(remote)}}}, "
-                f"to: {_q(local)}}}"
-            )
-        pub = ", ".join(_q(x) for x in g.publish)
-        sub = ", ".join(_q(x) for x in g.subscribe)
-        users = (
-            ["    users: []"]
-            if t.name in staged
-            else [
-                f"    users: [{{nkey: {_q(t.public_key)}, permissions: {{",
-                f"      publish: {{allow: [{pub}]}}",
-                f"      subscribe: {{allow: [{sub}]}}",
-                "    }}]",
-            ]
-        )
-        accounts += [
-            f"  {_q(acc)}: {{",
-            *users,
-            "    imports: [",
-            *imports,
-            "    ]",
-            "  }",
-        ]
+        accounts += _team_account(prefix, t, t.name in staged, exports)
     lines += [
         "accounts {",
         f"  {FLEET_ACCOUNT}: {{",

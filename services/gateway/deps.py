@@ -3,7 +3,8 @@ the caller's API key, and the per-process objects ``create_app`` keeps on ``app.
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -18,46 +19,27 @@ from services.gateway.errors import ApiError
 from services.gateway.fleet import Fleet
 
 
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def from_state(name: str) -> Callable[[Request], Any]:
+    """A dependency that returns ``app.state.<name>`` (set by ``create_app`` and its
+    lifespan); each getter below is one, typed by its annotation."""
+
+    def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    get.__name__ = f"get_{name}"
+    return get
 
 
-def get_fleet(request: Request) -> Fleet:
-    fleet: Fleet = request.app.state.fleet
-    return fleet
-
-
-def get_keys(request: Request) -> KeyStore:
-    keys: KeyStore = request.app.state.keys
-    return keys
-
-
-def get_admission(request: Request) -> Admission:
-    admission: Admission = request.app.state.admission
-    return admission
-
-
-def get_cache(request: Request) -> ResponseCache:
-    cache: ResponseCache = request.app.state.cache
-    return cache
-
-
-def get_background(request: Request) -> BackgroundRuns:
-    background: BackgroundRuns = request.app.state.background
-    return background
-
-
-def get_responses(request: Request) -> ResponseStore | None:
-    """The stored responses (None: ``gateway.store_responses`` off, or no database yet)."""
-    store: ResponseStore | None = request.app.state.responses
-    return store
-
-
-def get_batches(request: Request) -> BatchStore | None:
-    """The files and batches (None without a database)."""
-    store: BatchStore | None = request.app.state.batches
-    return store
+get_settings: Callable[[Request], Settings] = from_state("settings")
+get_fleet: Callable[[Request], Fleet] = from_state("fleet")
+get_keys: Callable[[Request], KeyStore] = from_state("keys")
+get_admission: Callable[[Request], Admission] = from_state("admission")
+get_cache: Callable[[Request], ResponseCache] = from_state("cache")
+get_background: Callable[[Request], BackgroundRuns] = from_state("background")
+# The stored responses (None: gateway.store_responses off, or no database yet).
+get_responses: Callable[[Request], ResponseStore | None] = from_state("responses")
+# The files and batches (None without a database).
+get_batches: Callable[[Request], BatchStore | None] = from_state("batches")
 
 
 async def require_key(request: Request) -> KeyInfo:

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from libs.log import fields
 from libs.protocol import (
@@ -66,45 +68,8 @@ async def serve(ctx: ServiceContext) -> None:
     actuate = build_actuator(s)
     nc = await connect(s.nats, "planner")
 
-    unreadable = logs(log, "unreadable message", logging.DEBUG)
-
-    def feeds(name: str, type_: type[T], feed: Callable[[T, float], None]) -> Endpoint[T]:
-        """An endpoint that hands each message to the planner with its arrival time."""
-
-        async def on(ev: T, msg: Msg) -> None:
-            feed(ev, time.monotonic())
-
-        return Endpoint(f"planner.{name}", type_, on, unreadable)
-
-    # Requests are read for their model alone (no full decode): hand-written.
-    async def on_request(msg: Msg) -> None:
-        try:
-            model = _request_model.decode(msg.data).model
-        except msgspec.DecodeError:
-            return
-        planner.on_request_model(model, time.monotonic())
-
-    # A router that begins holding requests (every worker of a pool full) wakes the loop: the
-    # decision goes out within a router beat, not at the next planner.interval_s tick.
     wake = asyncio.Event()
-
-    def on_router_beat(beat: RouterBeat, now: float) -> None:
-        planner.on_router_beat(beat, now)
-        if beat.held_arrivals:
-            wake.set()
-
-    subs = [
-        await feeds("beat", WorkerBeat, planner.on_beat).subscribe(nc, subjects.beats_all),
-        await feeds("route", RouteDecision, planner.on_route).subscribe(
-            nc, subjects.event("route")
-        ),
-        await feeds("router_beat", RouterBeat, on_router_beat).subscribe(
-            nc, subjects.router_beats_all
-        ),
-        await feeds("usage", UsageEvent, planner.on_usage).subscribe(nc, subjects.worker_usage),
-        await nc.subscribe(subjects.requests, cb=on_request),
-        await nc.subscribe(subjects.team_requests_all, cb=on_request),
-    ]
+    subs = await subscribe(nc, subjects, planner, wake)
     ctx.serving(lambda: nc.is_connected)
     log.info(
         "planner ready",
@@ -138,6 +103,51 @@ async def serve(ctx: ServiceContext) -> None:
         for sub in subs:
             await sub.unsubscribe()
         await nc.drain()
+
+
+async def subscribe(
+    nc: NATS, subjects: Subjects, planner: Planner, wake: asyncio.Event
+) -> list[Subscription]:
+    """The planner's subscriptions (``serve``, at start): beats, routes, router beats and
+    usage handed to ``planner`` with their arrival time, and requests read for their model
+    alone. A router beat with new holds sets ``wake``."""
+    unreadable = logs(log, "unreadable message", logging.DEBUG)
+
+    def feeds(name: str, type_: type[T], feed: Callable[[T, float], None]) -> Endpoint[T]:
+        """An endpoint that hands each message to the planner with its arrival time."""
+
+        async def on(ev: T, msg: Msg) -> None:
+            feed(ev, time.monotonic())
+
+        return Endpoint(f"planner.{name}", type_, on, unreadable)
+
+    # Requests are read for their model alone (no full decode): hand-written.
+    async def on_request(msg: Msg) -> None:
+        try:
+            model = _request_model.decode(msg.data).model
+        except msgspec.DecodeError:
+            return
+        planner.on_request_model(model, time.monotonic())
+
+    # A router that begins holding requests (every worker of a pool full) wakes the loop: the
+    # decision goes out within a router beat, not at the next planner.interval_s tick.
+    def on_router_beat(beat: RouterBeat, now: float) -> None:
+        planner.on_router_beat(beat, now)
+        if beat.held_arrivals:
+            wake.set()
+
+    return [
+        await feeds("beat", WorkerBeat, planner.on_beat).subscribe(nc, subjects.beats_all),
+        await feeds("route", RouteDecision, planner.on_route).subscribe(
+            nc, subjects.event("route")
+        ),
+        await feeds("router_beat", RouterBeat, on_router_beat).subscribe(
+            nc, subjects.router_beats_all
+        ),
+        await feeds("usage", UsageEvent, planner.on_usage).subscribe(nc, subjects.worker_usage),
+        await nc.subscribe(subjects.requests, cb=on_request),
+        await nc.subscribe(subjects.team_requests_all, cb=on_request),
+    ]
 
 
 async def publish(nc: object, subjects: Subjects, d: PlanDecision) -> None:

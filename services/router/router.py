@@ -206,25 +206,11 @@ class Router(Holds, Moves, Replies):
             return Rejection("model_not_found", f"model {req.model!r} is not served here", "model")
         now = time.monotonic()
         live = {p: self._live(p, exclude, since, now) for p in choice.allowed}
-        pool, code, factors = choice.pool, choice.code, list(choice.factors)
-        workers = live[pool]
-        spill = [p for p in choice.allowed[1:] if live[p]]
-        if not workers:
-            if not (self.cfg.spill_over and spill):
-                return Rejection(
-                    "no_worker",
-                    f"no live worker in pool {pool!r}"
-                    + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
-                    retry_after_s=self.fleet.retry_after_s,
-                    pools=list(choice.allowed),
-                )
-            factors.append(f"no_live_worker:{pool}")
-            pool, code = spill[0], "spill_over"
-        elif self.cfg.saturation_spill and _min_load(workers) >= self.cfg.saturation_load:
-            roomy = [p for p in spill if _min_load(live[p]) < self.cfg.saturation_load]
-            if roomy:
-                factors.append(f"saturated:{pool}")
-                pool, code = roomy[0], "spill_saturated"
+        factors = list(choice.factors)
+        spilled = self._spill(choice, live, factors)
+        if isinstance(spilled, Rejection):
+            return spilled
+        pool, code = spilled
         workers = live[pool]
         queue = sum([w.beat.waiting + len(w.pending_at) for w in workers])
         queue += len(self.held.get(pool, ()))
@@ -246,24 +232,10 @@ class Router(Holds, Moves, Replies):
         )
         decode_workers: list[str] = []
         if ranked[0].worker.beat.role == "prefill":
-            # Decode workers hold no prompt yet: ranked by load alone (ties at random), those
-            # of the prefill worker's region first (the KV blocks cross no gateway).
-            decoders = [
-                w
-                for w in self.registry.live(pool, roles=("decode",), now=now)
-                if not _excluded(w, exclude, since)
-            ]
-            if not decoders:
-                return Rejection(
-                    "no_worker",
-                    f"no live decode worker in pool {pool!r}",
-                    retry_after_s=self.fleet.retry_after_s,
-                    pools=[pool],
-                )
-            home = ranked[0].worker.beat.region
-            away = {w.worker_id: self.regions.cross_cost for w in decoders if w.beat.region != home}
-            by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS, away)
-            decode_workers = [p.worker.worker_id for p in by_load]
+            found = self._decode_workers(pool, ranked[0].worker, exclude, since, now)
+            if isinstance(found, Rejection):
+                return found
+            decode_workers = found
         return Decision(
             pool,
             code,
@@ -275,6 +247,63 @@ class Router(Holds, Moves, Replies):
             cross,
             self.regions,
         )
+
+    def _spill(
+        self, choice: PoolChoice, live: dict[str, list[WorkerView]], factors: list[str]
+    ) -> tuple[str, str] | Rejection:
+        """(pool, reason code) ``decide`` places in: the chosen pool, or the next allowed one
+        with live workers when it has none (``router.spill_over``) or all of its workers are
+        saturated (``router.saturation_spill``; a factor says why). A rejection when no pool
+        has a live worker."""
+        pool, code = choice.pool, choice.code
+        workers = live[pool]
+        spill = [p for p in choice.allowed[1:] if live[p]]
+        if not workers:
+            if not (self.cfg.spill_over and spill):
+                return Rejection(
+                    "no_worker",
+                    f"no live worker in pool {pool!r}"
+                    + ("" if self.cfg.spill_over else " (router.spill_over is off)"),
+                    retry_after_s=self.fleet.retry_after_s,
+                    pools=list(choice.allowed),
+                )
+            factors.append(f"no_live_worker:{pool}")
+            return spill[0], "spill_over"
+        if self.cfg.saturation_spill and _min_load(workers) >= self.cfg.saturation_load:
+            roomy = [p for p in spill if _min_load(live[p]) < self.cfg.saturation_load]
+            if roomy:
+                factors.append(f"saturated:{pool}")
+                return roomy[0], "spill_saturated"
+        return pool, code
+
+    def _decode_workers(
+        self,
+        pool: str,
+        prefill: WorkerView,
+        exclude: frozenset[str],
+        since: float,
+        now: float,
+    ) -> list[str] | Rejection:
+        """The decode workers ``decide`` names for a disaggregated pool whose best worker is
+        the ``prefill`` one, best first. They hold no prompt yet: ranked by load alone (ties at
+        random), those of the prefill worker's region first (the KV blocks cross no
+        gateway)."""
+        decoders = [
+            w
+            for w in self.registry.live(pool, roles=("decode",), now=now)
+            if not _excluded(w, exclude, since)
+        ]
+        if not decoders:
+            return Rejection(
+                "no_worker",
+                f"no live decode worker in pool {pool!r}",
+                retry_after_s=self.fleet.retry_after_s,
+                pools=[pool],
+            )
+        home = prefill.beat.region
+        away = {w.worker_id: self.regions.cross_cost for w in decoders if w.beat.region != home}
+        by_load = rank(decoders, 0, {}, self.weights, self.rng, MAX_OFFERS, away)
+        return [p.worker.worker_id for p in by_load]
 
     def prefix(
         self, req: GenerateRequest, pool: str, model: str, model_id: str, block_size: int
@@ -425,34 +454,20 @@ class Router(Holds, Moves, Replies):
         the JetStream message there, so a router that dies after the placement does not have
         it redelivered); ``keepalive`` and ``held`` for a wait (``decide_waiting``, and a batch
         request's ``hold_batch``)."""
-        if attempt == 1 and req.priority == "batch":
-            await self.hold_batch(req, keepalive, held)
-        held_s = None
-        if attempt == 1 and req.priority != "batch" and migration is None and not pool:
-            try:
-                held_s = await self.hold_while_full(req, keepalive, held)
-            except Refused as r:
-                await self.reply_error(req, r.rejection)
-                return None
+        held_s = await self._wait_turn(req, attempt, migration, pool, keepalive, held)
+        if isinstance(held_s, Rejection):
+            await self.reply_error(req, held_s)
+            return None
         self.flow.placed(req)
         t_decide = time.monotonic()
         decision = await self.decide_waiting(req, exclude, pool, since, keepalive, held)
         # It waited for a worker to come (or come back): the ones it found are new arrivals,
         # whose first offers may find no route to them yet (a NATS gateway link just back).
         waited = time.monotonic() - t_decide > self.cfg.sweep_interval_s
+        _explain(decision, attempt, exclude, migration is not None, held_s)
         if isinstance(decision, Rejection):
-            if attempt > 1 and decision.code == "no_worker":
-                # Moving a lost worker's request: say what happened, not just what is missing.
-                lost = ", ".join(sorted(exclude))
-                decision.code = "worker_lost"
-                decision.message = f"worker {lost} was lost and {decision.message}"
             await self.reply_error(req, decision)
             return None
-        if attempt > 1:
-            decision.code = "migrated" if migration is not None else "replaced"
-            decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
-        if held_s is not None:
-            decision.factors.append(f"held:{held_s:.2f}")
         queued_s = max(time.time() - req.created_at, 0.0)
         if attempt == 1:
             metrics.QUEUE_SECONDS.observe(queued_s)
@@ -460,27 +475,11 @@ class Router(Holds, Moves, Replies):
         # interleave at every await, and must see each other's choices or they all herd onto
         # the worker that looked idlest in the last beat.
         reserved = self.registry.on_assigned(decision.ranked[0].worker.worker_id)
-        watched = self.fleet.replace_lost and await self.watch.watch(req)
-        silent = []  # offered workers that did not answer at all (dead, not yet expired?)
-        for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
-            route = decision.route(p)
-            if i > 0:
-                reserved = self.registry.on_assigned(route.worker_id)
-            answer = await self.offer(
-                req, route, attempt, queued_s, decision.decode_workers, migration
-            )
-            if answer:
-                if on_accepted is not None:
-                    await on_accepted()
-                if watched:
-                    self.watch.assigned(req.key, route, attempt, bool(decision.decode_workers))
-                await self.record(req, route, decision.decide_s)
-                if not watched:  # its end is never seen: out of the tenant's count at once
-                    self.flow.ended(req, None)
-                return route
-            self.registry.on_refused(route.worker_id, reserved)
-            if answer is None:
-                silent.append(route.worker_id)
+        route, silent = await self._offer_ranked(
+            req, decision, reserved, attempt, queued_s, migration, on_accepted
+        )
+        if route is not None:
+            return route
         everyone_silent = silent and len(silent) == min(len(decision.ranked), MAX_OFFERS)
         if everyone_silent and (not recheck or waited):
             # Nobody answered: the workers may have died inside their beat TTL (a kill -9 a
@@ -510,6 +509,87 @@ class Router(Holds, Moves, Replies):
             ),
         )
         return None
+
+    async def _wait_turn(
+        self,
+        req: GenerateRequest,
+        attempt: int,
+        migration: Migration | None,
+        pool: str,
+        keepalive: Callable[[], Awaitable[None]] | None,
+        held: asyncio.Semaphore | None,
+    ) -> float | Rejection | None:
+        """``place``'s first step, for a request's first attempt: a batch request waits for
+        room (``hold_batch``), a new interactive one while its pools are full
+        (``hold_while_full``: the seconds it was held, or the rejection flow control ended it
+        with). None when it waited for nothing."""
+        if attempt == 1 and req.priority == "batch":
+            await self.hold_batch(req, keepalive, held)
+        if attempt == 1 and req.priority != "batch" and migration is None and not pool:
+            try:
+                return await self.hold_while_full(req, keepalive, held)
+            except Refused as r:
+                return r.rejection
+        return None
+
+    async def _offer_ranked(
+        self,
+        req: GenerateRequest,
+        decision: Decision,
+        reserved: float,
+        attempt: int,
+        queued_s: float,
+        migration: Migration | None,
+        on_accepted: Callable[[], Awaitable[None]] | None,
+    ) -> tuple[RouteReason | None, list[str]]:
+        """``place`` offers ``req`` to ``decision``'s ranked workers in turn (the first already
+        counted as assigned: ``reserved``): the route of the one that accepts, recorded, or
+        None and the workers that did not answer at all (dead, not yet expired?)."""
+        watched = self.fleet.replace_lost and await self.watch.watch(req)
+        silent: list[str] = []
+        for i, p in enumerate(decision.ranked[:MAX_OFFERS]):
+            route = decision.route(p)
+            if i > 0:
+                reserved = self.registry.on_assigned(route.worker_id)
+            answer = await self.offer(
+                req, route, attempt, queued_s, decision.decode_workers, migration
+            )
+            if answer:
+                if on_accepted is not None:
+                    await on_accepted()
+                if watched:
+                    self.watch.assigned(req.key, route, attempt, bool(decision.decode_workers))
+                await self.record(req, route, decision.decide_s)
+                if not watched:  # its end is never seen: out of the tenant's count at once
+                    self.flow.ended(req, None)
+                return route, silent
+            self.registry.on_refused(route.worker_id, reserved)
+            if answer is None:
+                silent.append(route.worker_id)
+        return None, silent
+
+
+def _explain(
+    decision: Decision | Rejection,
+    attempt: int,
+    exclude: frozenset[str],
+    migrated: bool,
+    held_s: float | None,
+) -> None:
+    """``place`` says in ``decision`` what happened before it: a later attempt moves a lost
+    worker's request (the rejection says so, not just what is missing; the decision is
+    ``migrated`` or ``replaced``), and a held request carries the seconds it was held."""
+    if isinstance(decision, Rejection):
+        if attempt > 1 and decision.code == "no_worker":
+            lost = ", ".join(sorted(exclude))
+            decision.code = "worker_lost"
+            decision.message = f"worker {lost} was lost and {decision.message}"
+        return
+    if attempt > 1:
+        decision.code = "migrated" if migrated else "replaced"
+        decision.factors += [f"worker_lost:{w}" for w in sorted(exclude)]
+    if held_s is not None:
+        decision.factors.append(f"held:{held_s:.2f}")
 
 
 def _excluded(w: WorkerView, exclude: frozenset[str], since: float) -> bool:

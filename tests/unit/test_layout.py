@@ -20,9 +20,9 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 LONG_FUNCTION_LINES = 80
 # Today's figures; lower them as the layout improves.
-MAX_LONG_FUNCTIONS = 10
+MAX_LONG_FUNCTIONS = 0
 MAX_LIBS_ROOT_MODULES = 5
-MAX_BENCH_OVER_SERVICES = 1.03  # bench's Python lines ÷ services' (issue 54: 1.0)
+MAX_BENCH_OVER_SERVICES = 1.0  # bench's Python lines ÷ services' (issue 54: 1.0)
 # The reference pages (docs/*.md; the decision records keep their history): no sittings, no
 # "until <date>".
 HISTORY = re.compile(r"\bsittings?\b|\buntil \d{4}-\d\d-\d\d", re.IGNORECASE)

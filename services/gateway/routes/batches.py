@@ -8,8 +8,9 @@ a 400 naming the reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
@@ -37,6 +38,7 @@ from services.gateway.deps import BatchesDep, FleetDep, KeyDep, SettingsDep
 from services.gateway.errors import ApiError
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 def stored(store: BatchStore | None) -> BatchStore:
@@ -114,11 +116,23 @@ async def list_files(
     return page_object(page, file_object)
 
 
+async def owned(
+    get: Callable[[str, str], Awaitable[T | None]],
+    object_id: str,
+    key_id: str,
+    kind: str,
+    param: str,
+) -> T:
+    """The caller's ``kind`` object ``object_id`` (``get``: the store's lookup by id and key),
+    or a 404 naming it (``param``: the request field); ``owned_file`` and ``owned_batch``."""
+    found = await get(object_id, key_id)
+    if found is None:
+        raise ApiError(404, f"No such {kind} object: {object_id}", "not_found", param)
+    return found
+
+
 async def owned_file(batches: BatchStore | None, file_id: str, key_id: str) -> StoredFile:
-    f = await stored(batches).get_file(file_id, key_id)
-    if f is None:
-        raise ApiError(404, f"No such File object: {file_id}", "not_found", "id")
-    return f
+    return await owned(stored(batches).get_file, file_id, key_id, "File", "id")
 
 
 @router.get("/v1/files/{file_id}")
@@ -242,10 +256,7 @@ async def list_batches(
 
 
 async def owned_batch(batches: BatchStore | None, batch_id: str, key_id: str) -> BatchRow:
-    row = await stored(batches).get_batch(batch_id, key_id)
-    if row is None:
-        raise ApiError(404, f"No such Batch object: {batch_id}", "not_found", "batch_id")
-    return row
+    return await owned(stored(batches).get_batch, batch_id, key_id, "Batch", "batch_id")
 
 
 @router.get("/v1/batches/{batch_id}")
