@@ -40,6 +40,9 @@ UNSHAPING = {
     # Where LoRA adapters are read from (engine.max_loras / max_lora_rank do shape it).
     "lora_dir",
 }
+# Shape only CUDA graphs (the captured batch buckets, model_runner's DecodeGraphs); on a CPU
+# the compiled forward is dynamic in its rows, so changing them there needs no new compile.
+CUDA_SHAPING = {"max_num_seqs"}
 # Modules whose source shapes the compiled graph, relative to libs/engine.
 GRAPH_SOURCES = (
     "model_runner.py",
@@ -67,7 +70,8 @@ def engine_digest(engine: EngineSettings) -> bytes:
     the source of every module in :data:`GRAPH_SOURCES`. Shared by :func:`libs.models.warm.warm_key`
     and :func:`libs.engine.aot.graph_key`."""
     h = hashlib.sha256()
-    h.update(engine.model_dump_json(exclude=UNSHAPING).encode())
+    cpu = engine.device == "cpu"
+    h.update(engine.model_dump_json(exclude=UNSHAPING | (CUDA_SHAPING if cpu else set())).encode())
     # The threads the workers will run (inductor's kernels are generated for a thread count;
     # OMP_NUM_THREADS changes it as much as engine.num_threads does).
     h.update(f"threads {engine.threads()}\n".encode())

@@ -76,3 +76,17 @@ def test_num_threads_resolves_and_keys_the_warm_marker(tmp_path, monkeypatch) ->
     before = warm.warm_key(s, s.pools[0], model_dir)
     monkeypatch.setattr(EngineSettings, "threads", lambda self: 7)
     assert warm.warm_key(s, s.pools[0], model_dir) != before
+
+
+def test_seats_key_the_graphs_only_on_a_cuda_device() -> None:
+    """``max_num_seqs`` sizes CUDA graphs' batch buckets; a CPU's compiled forward is dynamic
+    in its rows, so changing it there keeps the saved graphs (no recompile on a restart)."""
+    from libs.engine.digest import engine_digest
+
+    cpu64, cpu16 = EngineSettings(max_num_seqs=64), EngineSettings(max_num_seqs=16)
+    assert engine_digest(cpu64) == engine_digest(cpu16)
+    assert engine_digest(cpu64) != engine_digest(EngineSettings(max_num_seqs=64, block_size=32))
+    cuda = {"device": "cuda"}
+    assert engine_digest(EngineSettings(max_num_seqs=64, **cuda)) != engine_digest(
+        EngineSettings(max_num_seqs=16, **cuda)
+    )
