@@ -9,6 +9,7 @@ own engine between steps; an unload lets the requests running on the adapter fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import msgspec
@@ -20,23 +21,33 @@ from libs.settings import Settings
 
 
 async def send(
-    nc: NATS, subjects: Subjects, pool: str, cmd: AdapterCommand, wait_s: float
+    nc: NATS,
+    subjects: Subjects,
+    pool: str,
+    cmd: AdapterCommand,
+    wait_s: float,
+    expect: int = 0,
 ) -> list[AdapterReply]:
-    """Publish ``cmd`` to ``pool``'s workers; the replies that arrive within ``wait_s``."""
+    """Publish ``cmd`` to ``pool``'s workers; the replies that arrive within ``wait_s`` (sooner
+    once ``expect`` workers have answered, when ``expect`` > 0)."""
     replies: list[AdapterReply] = []
     inbox = nc.new_inbox()
+    enough = asyncio.Event()
 
     async def on_reply(msg: Msg) -> None:
         try:
             replies.append(msgspec.json.decode(msg.data, type=AdapterReply))
         except (msgspec.DecodeError, msgspec.ValidationError):
-            pass  # not a worker's answer: nothing to count
+            return  # not a worker's answer: nothing to count
+        if 0 < expect <= len({r.worker_id for r in replies}):
+            enough.set()
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
         await nc.publish(subjects.adapters(pool), encode(cmd), reply=inbox)
         await nc.flush()
-        await asyncio.sleep(wait_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), wait_s)
     finally:
         await sub.unsubscribe()
     return sorted(replies, key=lambda r: r.worker_id)

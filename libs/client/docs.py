@@ -313,7 +313,7 @@ SUBJECTS: dict[str, SubjectDoc] = {
         ("<pool>",),
         "AdapterCommand → AdapterReply from every worker of the pool (request, many replies)",
         "core NATS",
-        "operators (`strait adapters`: load, unload, list)",
+        "operators (`strait adapters`, the gateway's `/admin/pools/{pool}/adapters`: load, unload, list)",
         "every worker of that pool",
         False,
     ),

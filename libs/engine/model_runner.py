@@ -266,7 +266,7 @@ class ModelRunner:
         update, so only the eager one skips it in steps without adapter rows."""
         bank = lora.install(self.model, settings, self.device, self.dtype)
         if bank is not None:
-            bank.skip_idle = not (settings.compile or graphs)
+            bank.eager = not (settings.compile or graphs)
             log.info(
                 "LoRA: %d slots of rank %d on %d linears (%.1f MiB of the KV budget)",
                 bank.num_slots,

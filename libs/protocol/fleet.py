@@ -145,6 +145,9 @@ class AdapterReply(Struct, kw_only=True):
     worker_id: str
     ok: bool = True
     error: str = ""  # why not: the adapter refused, unknown, or no LoRA slots
+    # The error's kind, an ErrorCode ("" when ok): model_not_found (not in the pool's directory;
+    # unload: not loaded here), invalid_request (the adapter refused), no_capacity, ...
+    code: str = ""
     loaded: list[str] = msgspec.field(default_factory=list)
 
 

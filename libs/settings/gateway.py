@@ -46,6 +46,10 @@ class GatewaySettings(Section):
     """Serve /metrics without an API key."""
     open_models: bool = False
     """Serve /v1/models without an API key."""
+    admin_keys: list[str] = Field(default_factory=list)
+    """API key ids (the `<id>` of `sk-strait-<id>-...`, as `strait keys list` shows it) allowed
+    on the admin routes (`/admin/...`: a pool's LoRA adapters); any other key gets 403. With
+    `auth_enabled` false every caller is the anonymous key, and the admin routes are open."""
     default_rpm: int = 600
     """Requests per minute of a key that sets none (a key may carry its own limits)."""
     default_tpm: int = 200_000

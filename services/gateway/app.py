@@ -34,7 +34,7 @@ from services.gateway.errors import install_handlers
 from services.gateway.fleet import Fleet
 from services.gateway.keystore import DatabaseKeyStore
 from services.gateway.limits import RateLimiter
-from services.gateway.routes import admin, batches, completions, models, responses
+from services.gateway.routes import adapters, admin, batches, completions, models, responses
 
 
 def create_app(
@@ -55,7 +55,7 @@ def create_app(
     state.cache = ResponseCache(g)
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=g.max_body_bytes)
-    for api in (admin, models, completions, responses, batches):
+    for api in (admin, adapters, models, completions, responses, batches):
         app.include_router(api.router)
     return app
 

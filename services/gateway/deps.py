@@ -73,6 +73,19 @@ async def metrics_key(request: Request) -> None:
         await require_key(request)
 
 
+async def admin_key(request: Request) -> KeyInfo:
+    """An admin key (``gateway.admin_keys``) for ``/admin/...``; every caller with auth off."""
+    info = await require_key(request)
+    settings = get_settings(request)
+    if settings.gateway.auth_enabled and info.key_id not in settings.gateway.admin_keys:
+        raise ApiError(
+            403,
+            "this route needs an admin key (gateway.admin_keys); this key is not one",
+            "permission_denied",
+        )
+    return info
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 FleetDep = Annotated[Fleet, Depends(get_fleet)]
 KeyDep = Annotated[KeyInfo, Depends(require_key)]

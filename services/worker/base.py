@@ -217,13 +217,18 @@ class Worker:
         reply = AdapterReply(worker_id=self.worker_id)
         if control is None:
             reply.ok, reply.error = False, "this worker's backend serves no LoRA adapters"
+            reply.code = "invalid_request"
             return reply
         try:
             reply.loaded = await control(cmd.action, cmd.name, cmd.path)
         except KeyError:
             reply.ok, reply.error = False, f"adapter {cmd.name!r} not found"
+            reply.code = "model_not_found"
         except Exception as e:  # refused (AdapterError), no slots (BackendError): said back
             reply.ok, reply.error = False, str(e)
+            # AdapterError is a ValueError; BackendError and NoFreeSlot carry their code.
+            refused = "invalid_request" if isinstance(e, ValueError) else "internal_error"
+            reply.code = getattr(e, "code", refused)
         if not reply.ok:
             reply.loaded = await control("list")
         log.info(

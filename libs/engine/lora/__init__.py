@@ -3,8 +3,9 @@
 
 - :mod:`.adapter`: read and check one adapter directory in PEFT's format (refused whole, never
   half-loaded);
-- :mod:`.layers`: the wrapped linears, each row's update gathered by its slot with dense ops
-  (works eager, under ``engine.compile`` and in CUDA graphs);
+- :mod:`.layers`: the wrapped linears, each row's update by its slot: rows grouped by adapter
+  in the eager forward, dense over every slot with a row mask under ``engine.compile`` and in
+  CUDA graphs;
 - :mod:`.slots`: the adapters an engine holds, at most ``engine.max_loras``, LRU-evicted when
   idle.
 

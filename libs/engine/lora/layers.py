@@ -9,23 +9,26 @@ for every token row ``t`` whose sequence runs adapter slot ``s_t`` (0: none)::
 
     y_t = base(x_t) + B_{s_t} (A_{s_t} x_t)      (the scale folded into B at load)
 
-computed for all rows at once with dense ops and one mask, no data-dependent shapes:
+The stacks: ``lora_a`` ``[S, P, R, in]``, the A of every part (``P``: 3 for a fused q/k/v, 2
+for gate/up, else 1) of every slot (``S = engine.max_loras``) padded to ``R =
+engine.max_lora_rank``; ``lora_b{p}`` ``[S, R, out_p]``, part ``p``'s B of every slot. Two
+ways to apply them (decision 0036):
 
-- ``lora_a`` ``[P, S, R, in]``: the A of every part (``P``: 3 for a fused q/k/v, 2 for
-  gate/up, else 1) of every slot (``S = engine.max_loras``) padded to ``R =
-  engine.max_lora_rank``;
-- ``h = x @ A_all^T`` ``[T, P, S, R]``, times the step's mask ``[T, 1, S, 1]`` (1 at each
-  row's slot, all 0 for a row without adapter), so each row keeps only its own adapter's
-  ``R`` columns;
-- per part, ``h_p`` ``[T, S*R] @ B_p`` ``[S*R, out_p]``: the zeros of the other slots add
-  nothing, so a row's update is its own adapter's, and a row without one gets exactly 0.
+- **Grouped** (the eager forward, ``LoraBank.eager``): before the step the rows with an
+  adapter are grouped by slot (:class:`RowGroups`: ``G`` slots present, each padded to the
+  largest group's ``M`` rows); a layer gathers those rows ``[G, M, in]``, multiplies by the
+  present slots' A (one ``bmm`` for all parts) and each part's B (one ``bmm`` a part), and adds
+  the result into the base output at the rows' indices. Base rows cost nothing; a step
+  without adapter rows skips the update.
+- **Dense** (under ``engine.compile`` and in CUDA graphs, whose one traced forward must serve
+  any mix with static shapes): ``h = x @ A_all^T`` ``[T, S, P, R]`` times the step's mask
+  ``[T, S, 1, 1]`` (1 at the row's slot), then per part ``h_p`` ``[T, S*R] @ B_p``
+  ``[S*R, out_p]``: the zeros of the other slots add nothing. ``S*R*(P*in + out)``
+  multiply-adds a row per linear whatever the mix; the mask is a buffer of ``capacity`` rows
+  written in place before every step (:meth:`LoraBank.set_rows`), like the positions.
 
-The cost is ``S*R*(P*in + out)`` multiply-adds a row per linear whatever the adapters in the
-step (the price of static shapes: one compiled graph and one CUDA graph per bucket serve any
-mix). The mask is a buffer of ``capacity`` rows written in place before every step
-(:meth:`LoraBank.set_rows`), like the positions; the A/B stacks are buffers written in place
-when an adapter is loaded, so compiled graphs and captured CUDA graphs read the new weights at
-their old addresses.
+The stacks are buffers written in place when an adapter is loaded, so compiled graphs and
+captured CUDA graphs read the new weights at their old addresses.
 """
 
 from __future__ import annotations
@@ -57,6 +60,41 @@ def rows_capacity(settings: EngineSettings) -> int:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RowGroups:
+    """A step's adapter rows grouped by slot, for the grouped (eager) update."""
+
+    rows: torch.Tensor  # int64 [G*M]: each present slot's token rows in turn, padded by row 0
+    groups: int  # G: slots with rows in the step
+    width: int  # M: rows of the largest group
+    slots: torch.Tensor | None  # int64 [G]: the present slots' columns; None: all S in order
+    real: torch.Tensor | None  # [G*M, 1]: 1 for a row, 0 for padding; None: no padding
+
+
+def row_groups(slots: Sequence[int], num_slots: int, device: torch.device) -> RowGroups | None:
+    """``slots`` (each token row's slot, 0: none) grouped by slot; None when no row has one."""
+    by_slot: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        if s:
+            by_slot.setdefault(s, []).append(i)
+    if not by_slot:
+        return None
+    present = sorted(by_slot)
+    width = max(len(r) for r in by_slot.values())
+    rows: list[int] = []
+    for s in present:
+        rows += by_slot[s] + [0] * (width - len(by_slot[s]))
+    padded = width * len(present) > sum(len(r) for r in by_slot.values())
+    real = None
+    if padded:
+        flags = [[float(j < len(by_slot[s]))] for s in present for j in range(width)]
+        real = torch.tensor(flags, device=device)
+    every = present == list(range(1, num_slots + 1))
+    columns = None if every else torch.tensor([s - 1 for s in present], device=device)
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    return RowGroups(index, len(present), width, columns, real)
+
+
 @dataclass(slots=True)
 class LoraBank:
     """The adapter slots' tensors across every wrapped layer, and the step's row mask.
@@ -68,10 +106,12 @@ class LoraBank:
     max_rank: int  # R
     mask: torch.Tensor  # [capacity, S] in the compute dtype: 1 at (row, its slot - 1)
     layers: list[LoraLinear] = field(default_factory=list)
-    # The forward skips the update in a step where no row has an adapter; False under
-    # torch.compile and CUDA graphs, whose one traced forward must serve every step.
-    skip_idle: bool = True
+    # The forward runs eager: the update is grouped by adapter and skipped in a step where no
+    # row has one. False under torch.compile and CUDA graphs, whose one traced forward must
+    # serve every step: the dense masked update.
+    eager: bool = True
     active: bool = False  # some row of the current step has an adapter
+    groups: RowGroups | None = None  # the current step's rows by slot (eager)
 
     @property
     def capacity(self) -> int:
@@ -81,6 +121,10 @@ class LoraBank:
         """The slot of every token row of the coming forward (``[T]``, 0: none)."""
         if len(slots) > self.capacity:
             raise ValueError(f"{len(slots)} rows exceed the LoRA mask's {self.capacity}")
+        if self.eager:
+            self.groups = row_groups(slots, self.num_slots, self.mask.device)
+            self.active = self.groups is not None
+            return
         rows = [i for i, s in enumerate(slots) if s]
         if not rows and not self.active:
             return  # already all zeros
@@ -113,7 +157,7 @@ class LoraLinear(nn.Module):
     """``base(x)`` plus each row's adapter update (see the module docstring); any leading
     shape of ``x``, last dim ``in_features``."""
 
-    lora_a: torch.Tensor  # [P, S, R, in]
+    lora_a: torch.Tensor  # [S, P, R, in]
     lora_mask: torch.Tensor  # [capacity, S], shared by every layer (the bank's)
 
     def __init__(
@@ -130,49 +174,75 @@ class LoraLinear(nn.Module):
         self.bank = bank
         s, r = bank.num_slots, bank.max_rank
         device = bank.mask.device
-        a = torch.zeros(len(parts), s, r, self.in_features, dtype=dtype, device=device)
+        a = torch.zeros(s, len(parts), r, self.in_features, dtype=dtype, device=device)
         self.register_buffer("lora_a", a, persistent=False)
-        for p, (_, n) in enumerate(parts):  # lora_b{p}: [out_p, S*R]
-            b = torch.zeros(n, s * r, dtype=dtype, device=device)
+        for p, (_, n) in enumerate(parts):  # lora_b{p}: [S, R, out_p]
+            b = torch.zeros(s, r, n, dtype=dtype, device=device)
             self.register_buffer(f"lora_b{p}", b, persistent=False)
         self.register_buffer("lora_mask", bank.mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         bank = self.bank
-        if bank.skip_idle and not bank.active:
-            return y
-        parts, s, r = len(self.part_sizes), bank.num_slots, bank.max_rank
-        x2 = x.reshape(-1, self.in_features)  # [T, in]
+        if bank.eager and bank.groups is None:
+            return y  # no row of the step has an adapter
+        x2 = x.reshape(-1, self.in_features).to(self.lora_a.dtype)  # [T, in]
+        y2 = y.reshape(x2.shape[0], self.out_features)
+        if bank.groups is not None:
+            return self._grouped(x2, y2, bank.groups).view(y.shape)
+        return (y2 + self._dense(x2).to(y.dtype)).view(y.shape)
+
+    def _part_b(self, p: int) -> torch.Tensor:
+        return getattr(self, f"lora_b{p}")  # type: ignore[no-any-return]
+
+    def _grouped(self, x2: torch.Tensor, y2: torch.Tensor, g: RowGroups) -> torch.Tensor:
+        """``y2`` (the base output, fresh: added into in place) plus the update of the rows in
+        ``g``: one ``bmm`` over the slots present for all parts' A, one a part for B."""
+        parts, r, d_in = len(self.part_sizes), self.bank.max_rank, self.in_features
+        a = self.lora_a if g.slots is None else self.lora_a.index_select(0, g.slots)
+        xs = x2.index_select(0, g.rows)
+        if g.real is not None:
+            xs = xs * g.real  # padding rows: zero input, zero update
+        a = a.view(g.groups, parts * r, d_in).transpose(1, 2)
+        h = torch.bmm(xs.view(g.groups, g.width, d_in), a)  # [G, M, P*R]
+        start = 0
+        for p, n in enumerate(self.part_sizes):
+            b = self._part_b(p) if g.slots is None else self._part_b(p).index_select(0, g.slots)
+            delta = torch.bmm(h[:, :, p * r : (p + 1) * r], b).view(-1, n)  # [G*M, out_p]
+            y2[:, start : start + n].index_add_(0, g.rows, delta.to(y2.dtype))
+            start += n
+        return y2
+
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        """Every row's update ``[T, out]`` over every slot, the mask keeping its own."""
+        parts, s, r = len(self.part_sizes), self.bank.num_slots, self.bank.max_rank
         t = x2.shape[0]
-        a = self.lora_a.view(-1, self.in_features)  # [P*S*R, in]
-        h = F.linear(x2.to(a.dtype), a).view(t, parts, s, r)
-        h = h * self.lora_mask[:t].view(t, 1, s, 1)  # each row: its own slot's columns
+        h = F.linear(x2, self.lora_a.view(-1, self.in_features)).view(t, s, parts, r)
+        h = h * self.lora_mask[:t].view(t, s, 1, 1)  # each row: its own slot's columns
         deltas = [
-            F.linear(h[:, p].reshape(t, s * r), getattr(self, f"lora_b{p}")) for p in range(parts)
+            h[:, :, p].reshape(t, s * r) @ self._part_b(p).view(s * r, n)
+            for p, n in enumerate(self.part_sizes)
         ]
-        delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=-1)  # [T, out]
-        return y + delta.view(y.shape).to(y.dtype)
+        return deltas[0] if parts == 1 else torch.cat(deltas, dim=-1)  # [T, out]
 
     @torch.no_grad()
     def write(self, index: int, adapter: Adapter | None) -> None:
-        """Slot ``index`` (0-based column) of this layer: ``adapter``'s A/B for each part it
-        adapts, zeros elsewhere."""
-        s, r = self.bank.num_slots, self.bank.max_rank
+        """Slot ``index`` (0-based) of this layer: ``adapter``'s A/B for each part it adapts,
+        zeros elsewhere."""
+        self.lora_a[index].zero_()
         for p, name in enumerate(self.part_names):
-            b_p = getattr(self, f"lora_b{p}").view(-1, s, r)  # [out_p, S, R]
-            self.lora_a[p, index].zero_()
-            b_p[:, index].zero_()
+            b_p = self._part_b(p)
+            b_p[index].zero_()
             pair = adapter.weights.get(name) if adapter is not None else None
             if pair is None:
                 continue
             a, b = pair  # [rank, in], [out_p, rank]
             k = a.shape[0]
-            self.lora_a[p, index, :k].copy_(a)
-            b_p[:, index, :k].copy_(b)
+            self.lora_a[index, p, :k].copy_(a)
+            b_p[index, :k].copy_(b.t())
 
     def lora_nbytes(self) -> int:
-        tensors = [self.lora_a] + [getattr(self, f"lora_b{p}") for p in range(len(self.part_sizes))]
+        tensors = [self.lora_a] + [self._part_b(p) for p in range(len(self.part_sizes))]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def extra_repr(self) -> str:

@@ -29,6 +29,8 @@ log = logging.getLogger("strait.engine")
 class NoFreeSlot(Exception):
     """Every slot holds an adapter that a running request uses (``engine.max_loras``)."""
 
+    code = "no_capacity"  # its ErrorCode where a worker says it back (AdapterReply)
+
 
 @dataclass(slots=True)
 class Loaded:
