@@ -31,6 +31,8 @@ UNSHAPING = {
     "fair_headroom_seqs",
     "fair_preempt",
     "fair_first_prompt_alone_every",
+    "fair_shared_max_num_seqs",
+    "fair_shared_window_s",
     # CUDA only: they shape no CPU graph.
     "cuda_graphs",
     "cuda_graph_batch_sizes",

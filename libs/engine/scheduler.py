@@ -11,6 +11,9 @@ queues. Policy:
   in that order, so one tenant's flood never keeps another's first request waiting for a seat;
   its first prompt runs in a step of its own (``fair_first_prompt_alone_every``: the running
   sequences sit out that step, at most once every that many steps);
+- while two or more tenants are present, ``fair_shared_max_num_seqs`` (when set) takes the place
+  of ``max_num_seqs`` as the seats (:meth:`Scheduler.seats`): shorter steps, so a newcomer's
+  TTFT is the rest of a short step; a lone tenant keeps every seat;
 - running sequences are served first, in that order: a decoding one gets 1 token, a
   prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
   ``max_num_batched_tokens``;
@@ -36,6 +39,8 @@ per decode": a decoding sequence with proposed tokens (``Sequence.spec_tokens``,
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.config import EngineSettings
@@ -97,7 +102,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, settings: EngineSettings, kv: KvManager, cost: StepCostModel | None = None
+        self,
+        settings: EngineSettings,
+        kv: KvManager,
+        cost: StepCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = settings.max_num_batched_tokens
@@ -114,6 +123,11 @@ class Scheduler:
         self.fair_preempt = settings.fair_share and settings.fair_preempt
         self.alone_every = settings.fair_first_prompt_alone_every if settings.fair_share else 0
         self._since_alone = self.alone_every  # steps since the last newcomer's step alone
+        self.shared_seats = settings.fair_shared_max_num_seqs if settings.fair_share else 0
+        self.shared_window_s = settings.fair_shared_window_s
+        self.clock = clock
+        # tenant -> when (clock s) its last sequence arrived or finished; pruned past the window.
+        self._seen: dict[str, float] = {}
         self.num_alone_steps = 0
         # Waiting sequences, unordered (``_order`` picks; the queue is at most the worker's
         # max_waiting plus the preempted); aborted ones are dropped lazily (status FINISHED).
@@ -138,6 +152,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (new, forked or preempted) as waiting."""
         seq.status = SeqStatus.WAITING
+        self._seen[seq.tenant] = self.clock()
         if self.fair is not None and not seq.in_share:
             self.fair.enter(seq.tenant, seq.weight)
             seq.in_share = True
@@ -149,6 +164,7 @@ class Scheduler:
             self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
+        self._seen[seq.tenant] = self.clock()
         if self.fair is not None and seq.in_share:
             self.fair.leave(seq.tenant)
             seq.in_share = False
@@ -172,17 +188,31 @@ class Scheduler:
             default=None,
         )
 
+    def seats(self) -> int:
+        """Sequences that may run before the headroom: ``fair_shared_max_num_seqs`` while two
+        or more tenants are present (a sequence here, or one within ``fair_shared_window_s``),
+        else ``max_num_seqs``."""
+        if not self.shared_seats or self.shared_seats >= self.max_num_seqs:
+            return self.max_num_seqs
+        now = self.clock()
+        self._seen = {t: at for t, at in self._seen.items() if now - at <= self.shared_window_s}
+        present = set(self._seen)
+        present.update(s.tenant for s in self.running)
+        present.update(s.tenant for s in self._waiting if not s.is_finished)
+        return self.shared_seats if len(present) >= 2 else self.max_num_seqs
+
     def _next_admission(self) -> Sequence | None:
         """The waiting sequence to admit next, if it may have a seat. With fair share, a
         tenant with no sequence running goes first in its band (its first request never waits
-        behind another tenant's queue), while ``max_num_seqs`` plus ``fair_headroom_seqs`` seats are
-        not taken; then the first in order while ``max_num_seqs`` are not."""
+        behind another tenant's queue), while :meth:`seats` plus ``fair_headroom_seqs`` seats are
+        not taken; then the first in order while :meth:`seats` are not."""
         head = self._peek_waiting()
-        if self.fair is not None and len(self.running) < self.max_num_seqs + self.headroom:
+        seats = self.seats()
+        if self.fair is not None and len(self.running) < seats + self.headroom:
             new = self._unseated()
             if new is not None and head is not None and new.priority_class <= head.priority_class:
                 return new
-        return head if len(self.running) < self.max_num_seqs else None
+        return head if len(self.running) < seats else None
 
     def _newcomer_alone(self) -> bool:
         """Whether this step computes only the first prompts of tenants with nothing running
@@ -206,7 +236,7 @@ class Scheduler:
         running waits: preempt the running sequence last in order (the newest of the tenant
         furthest over its share, in the lowest band) unless its band is above the waiting
         one's or it is its tenant's only seat."""
-        if not self.fair_preempt or len(self.running) < self.max_num_seqs + self.headroom:
+        if not self.fair_preempt or len(self.running) < self.seats() + self.headroom:
             return
         new, last = self._unseated(), self.running[-1]
         if new is None or last.priority_class < new.priority_class:

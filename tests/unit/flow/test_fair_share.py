@@ -192,3 +192,47 @@ def test_a_newcomers_first_prompt_runs_alone_at_most_every_n_steps() -> None:
     step(off, 100, served)
     off.add(seq("quiet"))
     assert len(off.schedule().scheduled) == 5
+
+
+def test_shared_seats_shorten_steps_only_while_another_tenant_is_present() -> None:
+    """``fair_shared_max_num_seqs``: a lone flood runs every seat; once a second tenant is
+    present the flood is seated only up to the shared seats (its answers drain the batch down,
+    nobody preempted), and a step carries at most those rows plus the newcomer's; when the
+    second tenant has been gone past the window the flood gets every seat back."""
+    now = [0.0]
+    settings = EngineSettings(
+        block_size=4, max_num_batched_tokens=256, max_num_seqs=16,
+        fair_shared_max_num_seqs=4, fair_shared_window_s=5.0, fair_headroom_seqs=1,
+    )  # fmt: skip
+    s = Scheduler(settings, KvManager(BlockPool(4096, 4), "m"), clock=lambda: now[0])
+    served: dict[str, int] = {}
+
+    def keep_flooding() -> None:
+        while sum(1 for q in s._waiting if not q.is_finished) < 8:
+            s.add(seq("flood"))
+
+    alone = []
+    for _ in range(6):
+        keep_flooding()
+        step(s, 6, served)
+        alone.append(s.num_running)
+    assert s.seats() == 16 and max(alone) == 16  # alone: every seat
+    quiet = seq("quiet")
+    s.add(quiet)
+    rows = []
+    for _ in range(30):
+        keep_flooding()
+        now[0] += 0.05
+        step(s, 6, served)
+        rows.append(s.num_running)
+    assert s.seats() == 4
+    assert quiet.is_finished or quiet in s.running  # seated at once (headroom), not queued
+    assert max(rows[-10:]) <= 4 + 1  # drained to the shared seats, plus the headroom seat
+    assert s.num_preemptions == 0
+    now[0] += 10.0  # the quiet tenant gone past the window: the flood alone again
+    again = []
+    for _ in range(12):
+        keep_flooding()
+        step(s, 6, served)
+        again.append(s.num_running)
+    assert s.seats() == 16 and max(again) == 16
