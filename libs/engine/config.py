@@ -118,10 +118,12 @@ class EngineSettings(BaseModel):
     # steps: its TTFT is then the rest of the step under way plus a short one, not a full
     # batch step more. 0: it shares the next step like any prompt.
     fair_first_prompt_alone_every: int = Field(default=4, ge=0)
-    # Seats while the engine is shared: while two or more tenants have sequences here, or had
-    # within fair_shared_window_s, new sequences are seated only while fewer than this many
-    # run (plus the headroom), so every step is short and a newcomer's TTFT is the rest of a
-    # short step plus its own prompt. A lone tenant keeps max_num_seqs. 0: max_num_seqs always.
+    # Seats while a light tenant shares the engine: while two or more tenants have sequences
+    # here (or had, within fair_shared_window_s) and one has at most one (a user sending one
+    # request at a time), new sequences are seated only while fewer than this many run (plus
+    # the headroom), so every step is short and that tenant's TTFT is the rest of a short step
+    # plus its own prompt. A lone tenant, or floods beside floods, keep max_num_seqs.
+    # 0: max_num_seqs always.
     # On a CPU a step's time grows with its rows (docs/flow-control.md has the trade measured);
     # on a GPU a full batch's step is short: leave it 0 there.
     fair_shared_max_num_seqs: int = Field(default=0, ge=0)

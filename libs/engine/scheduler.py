@@ -11,9 +11,10 @@ queues. Policy:
   in that order, so one tenant's flood never keeps another's first request waiting for a seat;
   its first prompt runs in a step of its own (``fair_first_prompt_alone_every``: the running
   sequences sit out that step, at most once every that many steps);
-- while two or more tenants are present, ``fair_shared_max_num_seqs`` (when set) takes the place
-  of ``max_num_seqs`` as the seats (:meth:`Scheduler.seats`): shorter steps, so a newcomer's
-  TTFT is the rest of a short step; a lone tenant keeps every seat;
+- while a light tenant (one request at a time) shares the engine with another,
+  ``fair_shared_max_num_seqs`` (when set) takes the place of ``max_num_seqs`` as the seats
+  (:meth:`Scheduler.seats`): shorter steps, so its TTFT is the rest of a short step; a lone
+  tenant, or floods beside floods, keep every seat;
 - running sequences are served first, in that order: a decoding one gets 1 token, a
   prefilling one a chunk of at most ``prefill_chunk_tokens``, all under one per-step budget of
   ``max_num_batched_tokens``;
@@ -39,6 +40,7 @@ per decode": a decoding sequence with proposed tokens (``Sequence.spec_tokens``,
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +100,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+# A tenant with at most this many sequences here is light for ``Scheduler.seats``: one request at
+# a time (an interactive user), each arriving with nothing running.
+LIGHT_TENANT_SEQS = 1
 
 
 class Scheduler:
@@ -190,16 +197,20 @@ class Scheduler:
 
     def seats(self) -> int:
         """Sequences that may run before the headroom: ``fair_shared_max_num_seqs`` while two
-        or more tenants are present (a sequence here, or one within ``fair_shared_window_s``),
-        else ``max_num_seqs``."""
+        or more tenants are present (a sequence here, or one within ``fair_shared_window_s``)
+        and one of them is light (at most ``LIGHT_TENANT_SEQS`` sequences here: its next
+        request arrives with nothing running, and waits for the step under way), else
+        ``max_num_seqs``: floods beside floods keep every seat."""
         if not self.shared_seats or self.shared_seats >= self.max_num_seqs:
             return self.max_num_seqs
         now = self.clock()
         self._seen = {t: at for t, at in self._seen.items() if now - at <= self.shared_window_s}
-        present = set(self._seen)
-        present.update(s.tenant for s in self.running)
-        present.update(s.tenant for s in self._waiting if not s.is_finished)
-        return self.shared_seats if len(present) >= 2 else self.max_num_seqs
+        here: dict[str, int] = dict.fromkeys(self._seen, 0)
+        for s in itertools.chain(self.running, self._waiting):
+            if not s.is_finished:
+                here[s.tenant] = here.get(s.tenant, 0) + 1
+        light = any(n <= LIGHT_TENANT_SEQS for n in here.values())
+        return self.shared_seats if len(here) >= 2 and light else self.max_num_seqs
 
     def _next_admission(self) -> Sequence | None:
         """The waiting sequence to admit next, if it may have a seat. With fair share, a

@@ -195,10 +195,11 @@ def test_a_newcomers_first_prompt_runs_alone_at_most_every_n_steps() -> None:
 
 
 def test_shared_seats_shorten_steps_only_while_another_tenant_is_present() -> None:
-    """``fair_shared_max_num_seqs``: a lone flood runs every seat; once a second tenant is
-    present the flood is seated only up to the shared seats (its answers drain the batch down,
-    nobody preempted), and a step carries at most those rows plus the newcomer's; when the
-    second tenant has been gone past the window the flood gets every seat back."""
+    """``fair_shared_max_num_seqs``: a lone flood runs every seat; once a light tenant (one
+    request at a time) is present the flood is seated only up to the shared seats (its answers
+    drain the batch down, nobody preempted), and a step carries at most those rows plus the
+    newcomer's; two floods keep every seat; when the light tenant has been gone past the window
+    the flood gets every seat back."""
     now = [0.0]
     settings = EngineSettings(
         block_size=4, max_num_batched_tokens=256, max_num_seqs=16,
@@ -229,7 +230,15 @@ def test_shared_seats_shorten_steps_only_while_another_tenant_is_present() -> No
     assert quiet.is_finished or quiet in s.running  # seated at once (headroom), not queued
     assert max(rows[-10:]) <= 4 + 1  # drained to the shared seats, plus the headroom seat
     assert s.num_preemptions == 0
-    now[0] += 10.0  # the quiet tenant gone past the window: the flood alone again
+    other = [seq("other") for _ in range(3)]  # a second flood: no tenant light but quiet
+    for o in other:
+        s.add(o)
+    assert s.seats() == 4  # quiet is still within the window
+    now[0] += 10.0  # the quiet tenant gone past the window: floods only, every seat again
+    assert s.seats() == 16
+    for o in other:
+        s.remove(o)
+    now[0] += 10.0
     again = []
     for _ in range(12):
         keep_flooding()
