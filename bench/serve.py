@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="NAME=URL[,key=K][,model=M][,spec=N]",
         help="server to benchmark; repeat to compare several (run one after another); spec=N "
-        "sends Strait's num_speculative_tokens (0: speculation off for these requests)",
+        "sends Strait's num_speculative_tokens (0: speculation off for these requests); "
+        "model=A|B|C names the models in turn, request by request (LoRA adapters mixed)",
     )
     p.add_argument(
         "--worker-metrics",

@@ -122,6 +122,9 @@ async def run_load(
     start = time.perf_counter()
     deadline = start + options.duration_s
 
+    # ``model=A|B|C``: request i names the (i mod 3)th, a mix of LoRA adapters and the base.
+    models = model.split("|")
+
     async def one(request: BenchRequest, scheduled_s: float | None) -> None:
         nonlocal errors
         started = time.perf_counter()
@@ -130,7 +133,7 @@ async def run_load(
         record = await send_request(
             client,
             target,
-            model,
+            models[request.index % len(models)],
             options.api,
             request,
             options.sampling,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libs.engine.config import SpeculativeSettings
+from libs.engine.config import EngineSettings, SpeculativeSettings
 from libs.engine.digest import engine_digest
 from libs.settings import PoolSettings, Settings
 
@@ -85,6 +85,22 @@ def _progress(stop: threading.Event, label: str) -> None:
         bar.refresh()
 
 
+def warm_kv_bytes(model_dir: Path, engine: EngineSettings) -> int:
+    """The warm-up engine's KV budget: ``WARM_KV_BYTES`` for the cache, plus what the pool's
+    LoRA slots (``engine.max_loras``) take out of the budget first (float32, unfused
+    projections: never less than the engine takes), so a pool with adapters warms too."""
+    if not engine.max_loras:
+        return WARM_KV_BYTES
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from libs.engine.lora.layers import bank_bytes
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return WARM_KV_BYTES + bank_bytes(model, engine, torch.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m libs.models.warm POOL``: build POOL's engine with ``compile`` on, as its
     workers will, then write the pool's marker."""
@@ -100,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_dir = prepare_model(pool.model, settings)
     # Speculation's draft model is never compiled; the target's graphs are the same without it.
-    engine = settings.engine_for(pool).model_copy(
+    engine = settings.engine_for(pool)
+    engine = engine.model_copy(
         update={
-            "kv_cache_bytes": WARM_KV_BYTES,
+            "kv_cache_bytes": warm_kv_bytes(model_dir, engine),
             "speculative": SpeculativeSettings(),
             "compile_background": False,  # this process is the compile
         }

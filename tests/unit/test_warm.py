@@ -90,3 +90,24 @@ def test_seats_key_the_graphs_only_on_a_cuda_device() -> None:
     assert engine_digest(EngineSettings(max_num_seqs=64, **cuda)) != engine_digest(
         EngineSettings(max_num_seqs=16, **cuda)
     )
+
+
+def test_the_warm_up_budget_leaves_the_kv_cache_its_bytes_beside_lora_slots(
+    tmp_path: Path,
+) -> None:
+    """A pool with LoRA slots warms: the slots take their bytes out of the engine's KV budget
+    first, so the warm-up's budget is ``WARM_KV_BYTES`` plus at least what they take (on
+    SmolLM2, 4 slots of rank 16 are 78 MB: more than the whole warm-up budget was)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from libs.engine.lora.layers import bank_bytes
+
+    model_dir = save_tiny_model_dir(tmp_path / "m")
+    plain = EngineSettings()
+    assert warm.warm_kv_bytes(model_dir, plain) == warm.WARM_KV_BYTES
+    slots = EngineSettings(max_loras=4, max_lora_rank=16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    taken = bank_bytes(model, slots, torch.float32)
+    assert taken > 0
+    assert warm.warm_kv_bytes(model_dir, slots) - warm.WARM_KV_BYTES >= taken
