@@ -69,6 +69,18 @@ async def test_the_duration_cap_stops_sending(fake_server: str) -> None:
     assert all(r.start_s < 0.3 and r.ok for r in run.records)
 
 
+async def test_a_model_list_names_the_models_in_turn(fake_server: str) -> None:
+    """``model=A|B``: request i names the (i mod 2)th (the fake answers "overloaded" with 429)."""
+    requests = generate("chat", 6)
+    options = RunOptions("chat", Sampling(), duration_s=30, request_timeout_s=10, seed=0,
+                         progress=False)  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        run = await run_load(
+            client, Target("f", fake_server), "m|overloaded", requests, Load(2), options
+        )
+    assert [r.ok for r in run.records] == [True, False] * 3
+
+
 def test_poisson_arrivals_are_seeded_with_the_right_mean_gap() -> None:
     arrivals = poisson_arrivals(4.0, 2001, seed=1)
     assert arrivals == poisson_arrivals(4.0, 2001, seed=1) != poisson_arrivals(4.0, 2001, seed=2)
