@@ -135,6 +135,7 @@ class Scheduler:
         self.clock = clock
         # tenant -> when (clock s) its last sequence arrived or finished; pruned past the window.
         self._seen: dict[str, float] = {}
+        self._seats = self.max_num_seqs  # seats() as of this step, set once in schedule()
         self.num_alone_steps = 0
         # Waiting sequences, unordered (``_order`` picks; the queue is at most the worker's
         # max_waiting plus the preempted); aborted ones are dropped lazily (status FINISHED).
@@ -218,7 +219,7 @@ class Scheduler:
         behind another tenant's queue), while :meth:`seats` plus ``fair_headroom_seqs`` seats are
         not taken; then the first in order while :meth:`seats` are not."""
         head = self._peek_waiting()
-        seats = self.seats()
+        seats = self._seats
         if self.fair is not None and len(self.running) < seats + self.headroom:
             new = self._unseated()
             if new is not None and head is not None and new.priority_class <= head.priority_class:
@@ -247,7 +248,7 @@ class Scheduler:
         running waits: preempt the running sequence last in order (the newest of the tenant
         furthest over its share, in the lowest band) unless its band is above the waiting
         one's or it is its tenant's only seat."""
-        if not self.fair_preempt or len(self.running) < self.seats() + self.headroom:
+        if not self.fair_preempt or len(self.running) < self._seats + self.headroom:
             return
         new, last = self._unseated(), self.running[-1]
         if new is None or last.priority_class < new.priority_class:
@@ -270,6 +271,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._seats = self.seats()  # once a step: it walks the queues
         self.running.sort(key=self._order)
         self._make_room_for_interactive(out)
         self._preempt_for_unseated(out)
